@@ -1,0 +1,65 @@
+"""The attention backend interface and the registry that picks one by name."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for a flat varlen batch (prefill, chunks and decode alike)."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # same shape
+        metadata: AttentionMetadata,
+        scale: float,
+        window_left: int,  # keys at most this many positions back; -1 for no limit
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write key/value into the cache through slot_mapping, then attend causally."""
+
+
+# name -> "module:Class", imported only when chosen (Triton never loads on a CPU install).
+_REGISTRY: dict[str, str] = {
+    "torch": "pagedllm.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    _REGISTRY[name] = target
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def default_backend_name(device: torch.device) -> str:
+    if device.type == "cuda" and "triton" in _REGISTRY:
+        return "triton"
+    if device.type == "cpu" and "cpu" in _REGISTRY:
+        return "cpu"
+    return "torch"
+
+
+def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    name = name or default_backend_name(device)
+    if name not in _REGISTRY:
+        raise ValueError(f"attention_backend must be one of {available_backends()}, got {name!r}.")
+    module_name, cls_name = _REGISTRY[name].split(":")
+    backend = getattr(importlib.import_module(module_name), cls_name)()
+    logger.info("attention backend: %s", name)
+    return backend

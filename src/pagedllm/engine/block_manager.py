@@ -1,0 +1,225 @@
+"""Block-level KV cache allocator with automatic prefix caching (torch-free).
+
+Every KV block holds ``block_size`` token slots. A block that is full and whose tokens are
+computed gets a hash chained from its predecessor's, ``hash((parent_hash, tokens))``, so a
+block's hash names the whole prefix up to its end. ``hash_to_block`` maps such hashes to
+blocks; a new request walks its prompt's chain and reuses every block that is found.
+
+Free blocks sit in a doubly linked LRU queue. A freed block keeps its hash (it may be hit
+again) and is evicted lazily, only when it is popped for reuse. A hit on a free block takes
+it out of the queue in O(1). Sequences free their blocks tail first, so the tail of a
+prefix, the part least likely to be shared, is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from pagedllm.engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full, computed and cached
+    token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash (hits re-check)
+    prev: Block | None = None  # free-queue links; both None when not in the queue
+    next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: popleft is the least recently freed."""
+
+    def __init__(self, blocks: Seq[Block]) -> None:
+        self._head = Block(-1)  # sentinels
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev
+        assert last is not None
+        block.prev, block.next = last, self._tail
+        last.next = self._tail.prev = block
+        self.num_free += 1
+
+    def popleft(self) -> Block:
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, "block is not free"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Owns the KV blocks: allocation, ref counts, prefix-cache lookups and eviction."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.hash_to_block: dict[int, Block] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
+        self.prefix_cache_hits = 0  # of which found in the cache
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (cached free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def update_block_hashes(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes over every full block of its tokens."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+
+    def find_cached_blocks(self, seq: Sequence) -> list[Block]:
+        """The longest chain of cached blocks that prefixes seq, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(seq)
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs  # the last token must be computed for logits
+        hits: list[Block] = []
+        for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
+            block = self.hash_to_block.get(block_hash)
+            if block is None or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that are now full and computed under their hashes."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:
+                continue
+            block_hash = seq.block_hashes[i]
+            if block_hash in self.hash_to_block:
+                continue  # computed twice concurrently; keep the first copy
+            bs = self.block_size
+            block.block_hash = block_hash
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.hash_to_block[block_hash] = block
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[Block] = ()) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        new = max(0, needed - len(seq.block_table) - len(cached))
+        # Cached blocks that are free now stop counting as free once they are taken.
+        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+        return new + reclaimed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[Block] = ()) -> bool:
+        """Give seq blocks for num_new_tokens more tokens, reusing cached ones first.
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        if not self.can_allocate(seq, num_new_tokens, cached):
+            return False
+        for block in cached:
+            self._touch(block)
+            seq.block_table.append(block.block_id)
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < needed:
+            block = self._pop_free()
+            block.ref_cnt = 1
+            seq.block_table.append(block.block_id)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references, tail first, so tails are evicted before shared heads."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+        seq.block_table = []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = block.token_ids = None
+        self.hash_to_block.clear()
+        return True
+
+    def _touch(self, block: Block) -> None:
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> Block:
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:  # lazy eviction
+            if self.hash_to_block.get(block.block_hash) is block:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = block.token_ids = None
+        return block
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_integrity(self, live: Seq[Sequence] | None = None) -> None:
+        """Assert the allocator's invariants; with live sequences, also that refs add up."""
+        free = list(self.free_queue)
+        assert len(free) == self.free_queue.num_free, "free count out of sync"
+        assert len({b.block_id for b in free}) == len(free), "block twice in the free queue"
+        for block in self.blocks:
+            in_queue = block.prev is not None
+            assert in_queue == (block.ref_cnt == 0), f"block {block.block_id} free-state mismatch"
+        for block_hash, block in self.hash_to_block.items():
+            assert block.block_hash == block_hash, "hash index points at a re-used block"
+        if live is not None:
+            refs = [0] * self.num_blocks
+            for seq in live:
+                for block_id in seq.block_table:
+                    refs[block_id] += 1
+            for block in self.blocks:
+                assert refs[block.block_id] == block.ref_cnt, (
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, referenced "
+                    f"{refs[block.block_id]} times"
+                )

@@ -1,0 +1,304 @@
+"""LLMEngine: the vLLM-style offline engine. One step = schedule -> run model -> update."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.request_state import RequestState
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    StatLogger,
+)
+from pagedllm.engine.tokenizer import load_tokenizer, stop_token_ids_from_generation_config
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.executor import create_executor
+from pagedllm.worker.model_runner import ModelOutput
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False) -> None:
+        start = time.perf_counter()
+        self.config = config
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
+        self.extra_stop_ids = stop_token_ids_from_generation_config(config.model.model)
+        self.executor = create_executor(config)
+        self.kv_cache = self.executor.initialize_cache()
+        self.block_manager = BlockManager(
+            self.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.requests: dict[str, RequestState] = {}
+        self.stat_loggers: list[StatLogger] = []
+        self._seq_ids = itertools.count()
+        self.startup_seconds = time.perf_counter() - start
+        logger.info(
+            "engine ready in %.2fs (weights %.2fs): %d KV blocks x %d tokens = %d token slots",
+            self.startup_seconds,
+            self.executor.load_seconds,
+            self.kv_cache.num_blocks,
+            config.cache.block_size,
+            self.kv_cache.num_blocks * config.cache.block_size,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, skip_tokenizer_init: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), skip_tokenizer_init=skip_tokenizer_init)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.tokenizer is None else self.tokenizer.eos_token_id
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (naming the field) on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string.")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams.")
+        text, prompt_ids = self._tokenize(prompt)
+        self._check_prompt(prompt_ids)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        seqs = self._make_sequences(request_id, prompt_ids, params, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.requests[request_id] = RequestState.create(
+            request_id, text, prompt_ids, params, seqs, self.tokenizer
+        )
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids when the tokenizer is skipped.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}.")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty.")
+        vocab = self.config.model.hf_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab}).")
+        limit = self.config.model.max_model_len
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, more than max_model_len ({limit})."
+            )
+
+    def _make_sequences(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float
+    ) -> list[Sequence]:
+        extra = self.extra_stop_ids - {self.eos_token_id}
+        if extra and not params.ignore_eos:
+            params = copy.copy(params)  # the caller's object stays as it was
+            params.stop_token_ids = sorted(set(params.stop_token_ids or []) | extra)
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            child = params if params.n == 1 else params.clone_for_child(index)
+            seq = Sequence(
+                next(self._seq_ids),
+                request_id,
+                index,
+                prompt_ids,
+                child,
+                self.eos_token_id,
+                arrival,
+                prompt_leader=seqs[0] if seqs else None,
+            )
+            seqs.append(seq)
+        return seqs
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for s in state.seqs:
+                self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
+            self.executor.release([s.seq.seq_id for s in state.seqs])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.stat_loggers.append(stat_logger)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, sample, detokenize; returns updates."""
+        sched_out = self.scheduler.schedule()
+        iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
+        if sched_out.is_empty:
+            self._record(iteration)
+            return []
+        now = time.time()
+        for item in sched_out.scheduled:
+            t = item.seq.timings
+            if t.first_scheduled is None:
+                t.first_scheduled = now
+            iteration.num_prompt_tokens += max(
+                0,
+                min(item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens),
+            )
+        model_out = self.executor.execute_model(sched_out)
+        updated = self.scheduler.update(sched_out, model_out.sampled)
+        outputs = self._process(sched_out, model_out, updated, iteration)
+        self._record(iteration)
+        return outputs
+
+    def _process(
+        self,
+        sched_out: SchedulerOutput,
+        model_out: ModelOutput,
+        updated: list[Sequence],
+        iteration: IterationStats,
+    ) -> list[RequestOutput]:
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for item in sched_out.scheduled:
+            self._add_prompt_logprobs(item.seq, item.num_new_tokens, model_out)
+        for seq in updated:
+            state = self.requests[seq.request_id]
+            self._on_token(state, seq, model_out, now, iteration)
+            touched[seq.request_id] = state
+        results = []
+        for state in touched.values():
+            results.append(state.to_output())
+            if state.finished:
+                self._on_finished(state, now, iteration)
+        return results
+
+    def _add_prompt_logprobs(self, seq: Sequence, num_new: int, model_out: ModelOutput) -> None:
+        chunk = model_out.prompt_logprobs.get(seq.seq_id)
+        state = self.requests.get(seq.request_id)
+        if chunk is None or state is None or state.prompt_logprobs is None or seq.index != 0:
+            return
+        start = seq.num_computed_tokens - num_new  # entry i is for prompt token i
+        if start == 0:
+            state.prompt_logprobs[:] = chunk  # a recompute after preemption starts over
+        elif len(state.prompt_logprobs) == start + 1:
+            state.prompt_logprobs.extend(chunk)
+
+    def _on_token(
+        self,
+        state: RequestState,
+        seq: Sequence,
+        model_out: ModelOutput,
+        now: float,
+        iteration: IterationStats,
+    ) -> None:
+        out_state = state.seqs[seq.index]
+        t = seq.timings
+        iteration.num_generation_tokens += 1
+        if t.first_token is None:
+            t.first_token = now
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                iteration.time_to_first_tokens.append(now - state.metrics.arrival_time)
+        elif t.last_token is not None:
+            iteration.inter_token_latencies.append(now - t.last_token)
+        t.last_token = now
+        state.metrics.last_token_time = now
+        token = seq.output_token_ids[-1]
+        lp = model_out.logprobs.get(seq.seq_id)
+        if out_state.logprobs is not None and lp is not None:
+            out_state.logprobs.append(lp)
+            out_state.cumulative_logprob = (out_state.cumulative_logprob or 0.0) + lp[token].logprob
+        if out_state.detokenizer is not None:
+            # A stop token (EOS or stop_token_ids) ends the text without appearing in it.
+            stop_token = seq.status == SequenceStatus.FINISHED_STOPPED
+            hide = stop_token and not seq.sampling_params.include_stop_str_in_output
+            delta = "" if hide else out_state.detokenizer.add(token)
+            if seq.is_finished:
+                delta += out_state.detokenizer.flush()
+            out_state.text += delta
+            if not seq.is_finished and out_state.check_stop_strings(delta):
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if seq.is_finished:
+            t.finished = now
+            self.executor.release([seq.seq_id])
+
+    def _on_finished(self, state: RequestState, now: float, iteration: IterationStats) -> None:
+        del self.requests[state.request_id]
+        m = state.metrics
+        m.finished_time = now
+        m.first_scheduled_time = min(
+            (s.seq.timings.first_scheduled for s in state.seqs if s.seq.timings.first_scheduled),
+            default=None,
+        )
+        first_sched = m.first_scheduled_time or now
+        first_token = m.first_token_time or now
+        iteration.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=state.seqs[0].seq.status.finish_reason or "stop",
+                e2e_latency=now - m.arrival_time,
+                queue_time=first_sched - m.arrival_time,
+                prefill_time=first_token - first_sched,
+                decode_time=(m.last_token_time or now) - first_token,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=sum(s.seq.num_output_tokens for s in state.seqs),
+            )
+        )
+
+    def scheduler_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def _record(self, iteration: IterationStats) -> None:
+        if not self.stat_loggers:
+            return
+        stats = self.scheduler_stats()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats, iteration)
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's and block manager's invariants (used by tests)."""
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,189 @@
+"""Continuous-batching scheduler with chunked prefill and preemption (torch-free).
+
+Each step it first gives every running sequence the tokens it still needs (usually one:
+decode), then admits waiting sequences FCFS, all within ``max_num_seqs`` sequences and
+``max_num_batched_tokens`` tokens. Long prompts are cut into chunks that fit the budget.
+When a running sequence cannot get a block, the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed later, with
+the tokens it has generated so far. No sequence is ever dropped or scheduled twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # in batch order
+    num_batched_tokens: int = 0  # sum of num_new_tokens
+    preempted: list[Sequence] = field(default_factory=list)  # preempted during this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0  # cumulative
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if seq.num_tokens >= capacity:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens can never fit the KV cache "
+                f"({capacity} token slots); raise kv_cache_memory_bytes or shorten the prompt."
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End seq (stopped, aborted ...) wherever it is, and release its blocks."""
+        assert status.is_finished
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.block_manager.free(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, out):
+                break  # seq itself was preempted, and with it everything after it
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate for seq, preempting the newest running sequences until it fits."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running[-1]  # never one scheduled already: those precede seq
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._waits_for_leader(seq):
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = bm.find_cached_blocks(seq) if self._may_use_cache(seq) else []
+            num_cached = len(cached) * bm.block_size
+            num_new = seq.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            seq.num_computed_tokens = num_cached
+            if not bm.allocate(seq, num_new, cached):
+                seq.num_computed_tokens = 0
+                break
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
+                if self._may_use_cache(seq):
+                    bm.record_prefix_lookup(seq.num_tokens, num_cached)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _may_use_cache(self, seq: Sequence) -> bool:
+        # Prompt logprobs need logits at every prompt position, so nothing may be skipped.
+        caching = self.block_manager.enable_prefix_caching
+        return caching and seq.sampling_params.prompt_logprobs is None
+
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """n > 1: a sibling waits until the first sample has computed the shared prompt."""
+        leader = seq.prompt_leader
+        if leader is None or leader.is_finished or not self.block_manager.enable_prefix_caching:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the model ran -------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the scheduled sequences; append sampled tokens (seq_id -> token id).
+
+        Returns the sequences that got a new token; those that hit a token-level stop
+        condition are finished and their blocks released.
+        """
+        updated: list[Sequence] = []
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue  # a chunk of a prompt: nothing sampled yet
+            seq.append_token(token)
+            updated.append(seq)
+            status = seq.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(seq, status)
+        return updated
+
+    def check_integrity(self) -> None:
+        live = list(self.running) + list(self.waiting)
+        ids = [s.seq_id for s in live]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        for seq in self.waiting:
+            assert not seq.block_table, f"waiting sequence {seq.seq_id} holds blocks"
+        self.block_manager.check_integrity(live)

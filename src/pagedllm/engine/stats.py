@@ -1,0 +1,42 @@
+"""Statistics the engine hands to its stat loggers after each step (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued, preempted ones included
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up, cumulative
+    prefix_cache_hits: int  # of which found cached, cumulative
+    num_preemptions: int  # cumulative
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # arrival -> finished, seconds
+    queue_time: float  # arrival -> first scheduled
+    prefill_time: float  # first scheduled -> first token
+    decode_time: float  # first token -> last token
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    timestamp: float
+    num_prompt_tokens: int = 0  # prompt tokens computed in this step
+    num_generation_tokens: int = 0  # tokens sampled in this step
+    num_batched_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...

@@ -1,0 +1,30 @@
+"""Tokenizer loading (transformers' AutoTokenizer, offline) and EOS ids of the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from {path!r} ({e}); pass tokenizer=... or use "
+            "skip_tokenizer_init with token-id prompts."
+        ) from e
+
+
+def stop_token_ids_from_generation_config(model: str) -> set[int]:
+    """EOS ids that generation_config.json lists, which stop generation like EOS does."""
+    path = Path(model) / "generation_config.json"
+    if not path.exists():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}

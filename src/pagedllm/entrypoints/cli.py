@@ -1,0 +1,213 @@
+"""The ``pagedllm`` command: generate, chat, serve and the other tools, as subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+from pagedllm import envs
+from pagedllm.config import EngineArgs
+from pagedllm.sampling_params import SamplingParams
+
+# subcommand -> (module, help); each module has add_parser(subparsers) -> parser whose
+# defaults carry func=handler. Imported lazily so `pagedllm generate` never loads the server.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("pagedllm.entrypoints.cli", "generate text for one or more prompts"),
+    "chat": ("pagedllm.entrypoints.cli", "chat with a model in the terminal"),
+    "serve": ("pagedllm.entrypoints.openai.cli_args", "run the OpenAI-compatible HTTP server"),
+}
+
+_ENGINE_FLAG_HELP = {
+    "model": "local Hugging Face model folder (default: the bundled demo model)",
+    "tokenizer": "tokenizer folder (default: the model's)",
+    "dtype": "auto | float32 | bfloat16 | float16",
+    "seed": "random seed",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's)",
+    "block_size": "tokens per KV-cache block",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "most tokens computed in one step",
+    "gpu_memory_utilization": "share of GPU memory to use (CUDA)",
+    "kv_cache_memory_bytes": "KV-cache budget in bytes (CPU default: 4 GiB, at most 40%% of "
+    "free RAM)",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts into chunks that share steps with decode",
+    "tensor_parallel_size": "number of tensor-parallel workers",
+    "enforce_eager": "never capture CUDA graphs",
+    "quantization": "None | int8",
+    "device": "auto | cpu | cuda",
+    "attention_backend": "torch | cpu | triton (default: chosen for the device)",
+    "disable_comm_overlap": "do not overlap tensor-parallel all-reduce with compute",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Every EngineArgs field as a vLLM-style flag (--max-num-seqs ...)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = _ENGINE_FLAG_HELP.get(f.name, "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name == "model":
+            group.add_argument(flag, default=None, help=help_text)
+            continue
+        if isinstance(default, bool):
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+            continue
+        kind = {int: int, float: float}.get(type(default), None)
+        if f.name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            kind = int
+        group.add_argument(flag, type=kind or str, default=default, help=help_text)
+    if model_positional:
+        parser.add_argument(
+            "model_pos", nargs="?", metavar="MODEL", help="model folder (same as --model)"
+        )
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    kwargs = {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
+    }
+    model = getattr(ns, "model_pos", None) or kwargs.pop("model", None)
+    kwargs.pop("model", None)
+    return EngineArgs(**kwargs) if model is None else EngineArgs(model=model, **kwargs)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="0 = off")
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--n", type=int, default=1, help="samples per prompt")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=ns.n,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        max_tokens=ns.max_tokens,
+        ignore_eos=ns.ignore_eos,
+    )
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("error: give a prompt (or pipe prompts on stdin, one per line)", file=sys.stderr)
+        return 2
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    outputs = llm.generate(prompts, sampling_params_from(ns), use_tqdm=len(prompts) > 1)
+    for out in outputs:
+        for comp in out.outputs:
+            if len(prompts) > 1 or len(out.outputs) > 1:
+                print(f"--- prompt {out.request_id} sample {comp.index} ({comp.finish_reason}) ---")
+            print(f"{out.prompt or ''}{comp.text}")
+    return 0
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    params = sampling_params_from(ns)
+    messages: list[dict[str, str]] = []
+    print("Chat: type a message, empty line or Ctrl-D to quit.")
+    while True:
+        try:
+            user = input("you> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(f"assistant> {reply.strip()}")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    if name == "generate":
+        p = subparsers.add_parser(
+            name, help=SUBCOMMANDS[name][1], description="Generate completions offline."
+        )
+        p.add_argument("prompt", nargs="*", help="prompt text (several for a batch)")
+        add_engine_args(p)
+        add_sampling_args(p)
+        p.set_defaults(func=_generate)
+        return p
+    p = subparsers.add_parser(
+        name,
+        help=SUBCOMMANDS[name][1],
+        description="Interactive chat using the model's chat template.",
+    )
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=_chat, max_tokens=128)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="pagedllm: LLM inference and serving engine."
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, _help) in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # an optional extra that is not installed
+            subparsers.add_parser(name, help=f"{_help} (unavailable: {e.name} missing)")
+            continue
+        adder: Callable = mod.add_parser
+        adder(subparsers, name)
+    return parser
+
+
+def _version() -> str:
+    from pagedllm import __version__
+
+    return f"pagedllm {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=envs.PAGEDLLM_LOG_LEVEL(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(ns.func(ns) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Sampling parameters for text generation, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from numbers import Integral, Real
+
+# Largest number of top logprobs a request may ask for (per generated / prompt token).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _check_int(name: str, value: object, *, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    if value != value or not (lo < value if lo_open else lo <= value) or value > hi:
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}.")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the tokens of one request (see vLLM's SamplingParams)."""
+
+    n: int = 1  # number of output sequences for the prompt
+    presence_penalty: float = 0.0  # > 0 favours new tokens, < 0 repeats
+    frequency_penalty: float = 0.0  # scaled by how often a token has appeared
+    repetition_penalty: float = 1.0  # multiplicative, on prompt and output tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 or -1 keeps every token
+    min_p: float = 0.0  # drop tokens below min_p x the top probability
+    seed: int | None = None  # per-request random seed
+    stop: str | list[str] | None = None  # strings that end the output
+    stop_token_ids: list[int] | None = None  # tokens that end the output
+    ignore_eos: bool = False  # keep going past the EOS token
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # tokens to generate before EOS / stop tokens may end
+    logprobs: int | None = None  # top logprobs per output token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_text_buffer_length: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.stop and not self.include_stop_str_in_output:
+            # Hold back enough characters that a partly generated stop string never streams.
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+
+    def _verify(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), lo_open=True)
+        _check_float("temperature", self.temperature, 0.0, float("inf"))
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}.")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, minimum=0)
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "spaces_between_special_tokens",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids)
+
+    def clone_for_child(self, index: int) -> SamplingParams:
+        """Parameters of the index-th of n parallel samples: n=1 and a distinct seed."""
+        child = SamplingParams(
+            **{
+                k: getattr(self, k)
+                for k in self.__dataclass_fields__
+                if k != "output_text_buffer_length"
+            }
+        )
+        child.n = 1
+        if self.seed is not None:
+            child.seed = self.seed + index
+        return child

@@ -1,0 +1,220 @@
+"""Owns the model and its KV cache on one device; turns a SchedulerOutput into tokens."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import get_attention_backend
+from pagedllm.attention.metadata import AttentionMetadata, ForwardContext
+from pagedllm.config import EngineConfig, default_kv_cache_bytes
+from pagedllm.distributed.communicator import SINGLE, Communicator
+from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.engine.sequence import Sequence
+from pagedllm.models.loader import DTYPES, load_model
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampler import Sampler, TokenLogprobs, gather_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] flat over the scheduled sequences
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] token rows whose logits are needed
+    sample_seqs: list[Sequence]  # the sequences sampled this step
+    sample_rows: list[int]  # their rows in logits_indices
+    prompt_logprob_rows: list[tuple[Sequence, int, int]]  # (seq, first logits row, count)
+
+
+@dataclass
+class ModelOutput:
+    sampled: dict[int, int]  # seq_id -> new token id
+    logprobs: dict[int, TokenLogprobs]  # seq_id -> logprobs of the new token
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]]  # seq_id -> this chunk's positions
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int  # over all layers, K and V
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, comm: Communicator = SINGLE) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        if self.device.type == "cuda" and comm.world_size > 1:
+            self.device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+        self.dtype = DTYPES[config.model.dtype]
+        torch.manual_seed(config.model.seed)
+        start = time.perf_counter()
+        self.model = load_model(config.model, self.device, comm)
+        self.load_seconds = time.perf_counter() - start
+        self.block_size = config.cache.block_size
+        self.backend = get_attention_backend(config.device.attention_backend, self.device)
+        self.sampler = Sampler(self.device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache ------------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    def kv_cache_budget(self) -> int:
+        """Bytes the KV cache may take: explicit, else from device memory or the CPU default."""
+        explicit = self.config.cache.kv_cache_memory_bytes
+        if explicit is not None:
+            return explicit
+        if self.device.type == "cuda":
+            return self._profile_cuda_budget()
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(default_kv_cache_bytes(), int(available * 0.4))
+
+    def _profile_cuda_budget(self) -> int:
+        """gpu_memory_utilization x total, less weights and the peak of a full-size forward."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(blocks)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        seq = Sequence(-1, "profile", 0, [0] * num_tokens, params, None)
+        seq.block_table = list(range(blocks))
+        self.execute(SchedulerOutput([ScheduledSequence(seq, num_tokens)], num_tokens))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.cache.gpu_memory_utilization) - peak
+
+    def plan_kv_cache(self) -> KVCacheSpec:
+        per_block = self._bytes_per_block()
+        num_blocks = self.kv_cache_budget() // per_block
+        sched = self.config.scheduler
+        useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size) + 1
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                "no memory left for the KV cache; raise kv_cache_memory_bytes "
+                "or gpu_memory_utilization."
+            )
+        return KVCacheSpec(num_blocks, self.block_size, per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        attn = self.model.attention_layers()
+        shape = (num_blocks, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
+        # Zeroed: padded key slots are masked, but 0 * NaN garbage would still poison P @ V.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in attn
+        ]
+        for layer, (k, v) in zip(attn, self.kv_caches):
+            layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
+
+    # ---- one step ------------------------------------------------------------------------
+    def prepare_input(self, out: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_lens, seq_lens, logits_idx, sample_seqs, sample_rows, plp = [], [], [], [], [], []
+        for item in out.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            first = len(ids) - n
+            if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                count = min(n, seq.num_prompt_tokens - start)
+                plp.append((seq, len(logits_idx), count))
+                logits_idx.extend(range(first, first + count))
+            if item.samples:
+                sample_rows.append(len(logits_idx))
+                logits_idx.append(first + n - 1)
+                sample_seqs.append(seq)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+        width = max(len(item.seq.block_table) for item in out.scheduled)
+        tables = np.zeros((len(out.scheduled), width), dtype=np.int32)
+        for row, item in enumerate(out.scheduled):
+            tables[row, : len(item.seq.block_table)] = item.seq.block_table
+        dev = self.device
+        cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu[1:])
+        metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            sample_seqs=sample_seqs,
+            sample_rows=sample_rows,
+            prompt_logprob_rows=plp,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        inp = self.prepare_input(out)
+        with ForwardContext(inp.metadata):
+            hidden = self.model(inp.input_ids, inp.positions)
+        if inp.logits_indices.numel() == 0:
+            return ModelOutput({}, {}, {})
+        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
+        prompt_logprobs = self._prompt_logprobs(inp, logits)
+        if len(inp.sample_rows) < logits.shape[0]:
+            logits = logits[inp.sample_rows]
+        sampler_out = self.sampler(logits, inp.sample_seqs)
+        ids = [s.seq_id for s in inp.sample_seqs]
+        return ModelOutput(
+            sampled=dict(zip(ids, sampler_out.token_ids)),
+            logprobs={i: lp for i, lp in zip(ids, sampler_out.logprobs) if lp is not None},
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self, inp: ModelInput, logits: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs | None]]:
+        """Logprobs of each prompt token given the tokens before it (for prompt_logprobs)."""
+        result: dict[int, list[TokenLogprobs | None]] = {}
+        for seq, row, count in inp.prompt_logprob_rows:
+            start = seq.num_computed_tokens
+            # logits at position p score token p + 1; only prompt tokens are reported here
+            targets = seq.token_ids[start + 1 : min(start + 1 + count, seq.num_prompt_tokens)]
+            count = min(count, len(targets))
+            entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+            if count:
+                lp = torch.log_softmax(logits[row : row + count], dim=-1)
+                chosen = torch.tensor(targets[:count], device=lp.device)
+                k = seq.sampling_params.prompt_logprobs or 0
+                entries += gather_logprobs(lp, chosen, [k] * count, k)
+            result[seq.seq_id] = entries[: seq.num_prompt_tokens - start]
+        return result
+
+    def release(self, seq_id: int) -> None:
+        self.sampler.release(seq_id)

@@ -1,0 +1,164 @@
+"""Turns the last-position logits of each sequence into the next token (and logprobs).
+
+Everything is batched over the sequences of a step; per-sequence parameters become
+tensors. Seeded requests draw their noise from their own generator, so a seeded request
+samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.engine.outputs import Logprob, TokenLogprobs
+from pagedllm.engine.sequence import Sequence
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sampled sequence, in batch order
+    logprobs: list[TokenLogprobs | None]  # per sequence: top-k and the sampled token
+
+
+def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor(
+        [r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device
+    )
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens)."""
+    params = [s.sampling_params for s in seqs]
+    num_rows, vocab = logits.shape
+    device = logits.device
+    pad_id = vocab  # an extra column that is thrown away
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, _pad([s.token_ids for s in seqs], pad_id, device), True)
+        seen = seen[:, :vocab]
+        rp = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalised, logits)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=device)
+        out_ids = _pad([s.output_token_ids for s in seqs], pad_id, device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        counts = counts[:, :vocab]
+        fp = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pp = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        logits = logits - fp * counts - pp * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Before min_tokens, EOS and stop tokens cannot be sampled."""
+    for row, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if seq.eos_token_id is not None and not p.ignore_eos:
+                banned.append(seq.eos_token_id)
+            if banned:
+                logits[row, banned] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always the first token)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device)[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seq.sampling_params.seed)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits [num_seqs, vocab] (float32) at each sequence's last position."""
+        raw_logprobs = None
+        if any(s.sampling_params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = mask_early_stops(apply_penalties(logits, seqs), seqs)
+        params = [s.sampling_params for s in seqs]
+        greedy = logits.argmax(dim=-1)
+        if all(p.temperature == 0.0 for p in params):
+            tokens = greedy
+        else:
+            temps = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)
+            probs = apply_top_k_top_p_min_p(logits / temps[:, None], params).softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            for row, seq in enumerate(seqs):
+                if seq.sampling_params.seed is not None and params[row].temperature > 0:
+                    noise[row].exponential_(generator=self._generator(seq))
+            sampled = (probs / noise).argmax(dim=-1)  # Gumbel-style race, no host sync
+            is_greedy = torch.tensor([p.temperature == 0.0 for p in params], device=self.device)
+            tokens = torch.where(is_greedy, greedy, sampled)
+        token_list = tokens.tolist()
+        logprobs = (
+            self._logprobs(raw_logprobs, tokens, params)
+            if raw_logprobs is not None
+            else [None] * len(seqs)
+        )
+        return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> list[TokenLogprobs | None]:
+        k = max(p.logprobs or 0 for p in params)
+        return gather_logprobs(raw, tokens, [p.logprobs for p in params], k)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, wanted: list[int | None], k: int
+) -> list[TokenLogprobs | None]:
+    """Per row: the top wanted[row] tokens and the chosen token, with logprob and rank."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen_list, chosen_lp_list = chosen.tolist(), chosen_lp[:, 0].tolist()
+    top_lp_list = top_lp.tolist() if top_lp is not None else None
+    top_ids_list = top_ids.tolist() if top_ids is not None else None
+    out: list[TokenLogprobs | None] = []
+    for row, n in enumerate(wanted):
+        if n is None:
+            out.append(None)
+            continue
+        entry: TokenLogprobs = {chosen_list[row]: Logprob(chosen_lp_list[row], ranks[row])}
+        for j in range(n):
+            assert top_ids_list is not None and top_lp_list is not None
+            entry.setdefault(top_ids_list[row][j], Logprob(top_lp_list[row][j], j + 1))
+        out.append(entry)
+    return out
