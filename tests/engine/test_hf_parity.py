@@ -1,0 +1,116 @@
+"""Greedy outputs match Hugging Face transformers token for token (fp32), in every regime."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+ARCHS = ["llama", "llama3_rope", "mistral", "qwen2"]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def run(model_dir, prompts, max_tokens, **engine_kwargs):
+    kwargs = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
+    kwargs.update(engine_kwargs)
+    llm = LLM(str(model_dir), **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.block_manager.usage == 0.0
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hf_cache():
+    return {}
+
+
+def expected(hf_cache, model_dir, prompts, max_tokens):
+    key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens)
+    if key not in hf_cache:
+        hf_cache[key] = hf_greedy(model_dir, prompts, max_tokens)
+    return hf_cache[key]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_batch_matches_hf(model_factory, hf_cache, arch):
+    model_dir = model_factory(arch)
+    prompts = random_prompts(6, 1, 40)
+    _, got = run(model_dir, prompts, 12)
+    assert got == expected(hf_cache, model_dir, prompts, 12)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_chunked_prefill_matches_hf(model_factory, hf_cache, arch):
+    model_dir = model_factory(arch)
+    prompts = random_prompts(4, 30, 70, seed=1)
+    llm, got = run(model_dir, prompts, 10, max_num_batched_tokens=16, max_num_seqs=4)
+    assert got == expected(hf_cache, model_dir, prompts, 10)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefix_cache_hits_match_hf(model_factory, hf_cache, arch):
+    model_dir = model_factory(arch)
+    shared = random_prompts(1, 37, 37, seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 1, 9, seed=3)]
+    llm, first = run(model_dir, prompts, 8)
+    engine = llm.llm_engine
+    hits_before = engine.block_manager.prefix_cache_hits
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert engine.block_manager.prefix_cache_hits - hits_before >= 4 * 36
+    assert first == again == expected(hf_cache, model_dir, prompts, 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_preemption_matches_hf(model_factory, hf_cache, arch):
+    model_dir = model_factory(arch)
+    prompts = random_prompts(6, 10, 30, seed=4)
+    # 2 layers x K,V x 4 slots x 2 heads x 16 dims x 4 bytes = 2 KiB per block; 24 blocks
+    # hold 96 tokens, far fewer than the 6 sequences need together (up to ~240).
+    llm, got = run(model_dir, prompts, 16, kv_cache_memory_bytes=24 * 2048)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == expected(hf_cache, model_dir, prompts, 16)
+
+
+def test_mistral_prompt_longer_than_window(model_factory, hf_cache):
+    model_dir = model_factory("mistral")  # sliding_window = 24
+    prompts = random_prompts(3, 60, 90, seed=5)
+    _, got = run(model_dir, prompts, 20, max_num_batched_tokens=32)
+    assert got == expected(hf_cache, model_dir, prompts, 20)
+
+
+def test_n_greater_than_one_shares_prompt_blocks(model_factory):
+    model_dir = model_factory("llama")
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
+    prompt = random_prompts(1, 33, 33, seed=6)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    bm = llm.llm_engine.block_manager
+    # the two followers reuse the leader's 8 full prompt blocks (32 tokens each)
+    assert bm.prefix_cache_hits >= 2 * 32
+    seqs = {tuple(c.token_ids) for c in out.outputs}
+    assert len(seqs) > 1  # distinct seeds per sample
