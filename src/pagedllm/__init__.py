@@ -1,20 +1,40 @@
-"""pagedllm: LLM inference and serving with a paged KV cache and a vLLM-compatible API."""
+"""pagedllm: LLM inference and serving with a paged KV cache and a vLLM-compatible API.
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.entrypoints.llm import LLM
-from pagedllm.sampling_params import SamplingParams
+The public names are imported lazily, so that the torch-free core (``pagedllm.engine``'s
+scheduler and block manager) can be used without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineArgs",
-    "LLMEngine",
-    "Logprob",
-    "RequestOutput",
-    "SamplingParams",
-    "__version__",
-]
+_EXPORTS = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "EngineArgs": "pagedllm.config",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "AsyncLLMEngine": "pagedllm.engine.async_engine",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.engine.outputs",
+    "CompletionOutput": "pagedllm.engine.outputs",
+    "Logprob": "pagedllm.engine.outputs",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams

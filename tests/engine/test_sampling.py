@@ -167,3 +167,28 @@ def test_abort_request_frees_blocks(llm):
         engine.step()
     engine.check_integrity()
     assert engine.block_manager.usage == 0.0
+
+
+def test_failing_model_step_fails_only_its_requests(llm, monkeypatch):
+    engine = llm.llm_engine
+    engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # "ok" is running, then a step including "bad" blows up
+    engine.add_request("bad", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    real = engine.executor.execute_model
+    calls = iter([RuntimeError("boom")])
+
+    def flaky(out):
+        err = next(calls, None)
+        if err is not None:
+            raise err
+        return real(out)
+
+    monkeypatch.setattr(engine.executor, "execute_model", flaky)
+    failed = engine.step()
+    assert {o.request_id for o in failed} == {"ok", "bad"}
+    assert all(o.finished and o.outputs[0].finish_reason == "error" for o in failed)
+    assert "boom" in failed[0].error
+    engine.check_integrity()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and engine.block_manager.usage == 0.0

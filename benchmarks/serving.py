@@ -1,0 +1,326 @@
+"""Online serving benchmark, like ``vllm bench serve``: Poisson arrivals against a live server.
+
+For each request rate, requests arrive as a Poisson process (exponential gaps; ``inf`` sends
+them all at once) and stream from /v1/completions. Per rate it reports request throughput,
+output tokens/s and TTFT / TPOT / ITL / end-to-end latency percentiles, as ratios to an
+unloaded baseline (the same requests sent one at a time). Prompts are random token ids drawn
+from the server's own tokenization of a text, of a fixed length; outputs have a fixed length
+(``ignore_eos``), so the workload does not depend on the weights.
+
+    python benchmarks/serving.py --model models/pagedllm-demo           # starts a server
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000       # a running server
+    python benchmarks/serving.py --request-rates 1 4 inf --num-prompts 32 --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+from pagedllm.config import default_model_path  # noqa: E402
+
+CORPUS = (
+    "The scheduler admits waiting requests while the token budget lasts. Every running "
+    "sequence decodes one token per step; long prompts are split into chunks. Blocks of the "
+    "key-value cache are shared between requests with a common prefix, and freed blocks stay "
+    "cached until memory is needed. A list is a mutable sequence; dictionaries map keys to "
+    "values; tuples are immutable. 0123456789 (){}[] <>=+-*/ .,;:!? "
+) * 4
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0  # seconds from sending to the first text chunk
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itls: list[float] = field(default_factory=list)  # gaps between text chunks
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# ---- the server ---------------------------------------------------------------------------
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """``pagedllm serve MODEL --port 0`` in a subprocess; returns it and its base URL."""
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port=0"]
+    cmd += ["--uvicorn-log-level=warning", "--disable-log-stats", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    banner = []
+    for line in proc.stdout:
+        banner.append(line)
+        match = re.search(r"URL\s+(http://\S+)/v1", line)
+        if match:
+            print("".join(banner[-3:]), end="")
+            wait_healthy(match[1], proc)
+            return proc, match[1]
+    raise RuntimeError("the server exited:\n" + "".join(banner))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the server exited during startup")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the server did not become healthy")
+
+
+def make_prompts(url: str, num: int, input_len: int, seed: int) -> list[list[int]]:
+    """num prompts of input_len token ids drawn from the server's tokenization of CORPUS."""
+    pool = httpx.post(url + "/tokenize", json={"prompt": CORPUS}, timeout=30).json()["tokens"]
+    rng = random.Random(seed)
+    return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num)]
+
+
+# ---- one request, one rate ----------------------------------------------------------------
+async def send(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> Result:
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = Result()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = result.output_tokens == output_len
+        if not result.ok:
+            result.error = f"{result.output_tokens} tokens instead of {output_len}"
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+    return result
+
+
+async def run_rate(
+    url: str, prompts: list[list[int]], output_len: int, rate: float, seed: int
+) -> tuple[list[Result], float]:
+    """Send every prompt with Poisson arrivals at rate req/s; (results, wall seconds)."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(send(client, url, prompt, output_len)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def run_sequential(url: str, prompts: list[list[int]], output_len: int) -> list[Result]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return [await send(client, url, p, output_len) for p in prompts]
+
+
+# ---- reporting ----------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(rate: float, results: list[Result], seconds: float) -> dict:
+    ok = [r for r in results if r.ok]
+    row = {
+        "rate": rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "seconds": seconds,
+        "req_per_s": len(ok) / seconds,
+        "out_tok_per_s": sum(r.output_tokens for r in ok) / seconds,
+    }
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.tpot is not None],
+        "itl": [gap for r in ok for gap in r.itls],
+        "e2e": [r.e2e for r in ok],
+    }
+    for name, values in series.items():
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}_ms"] = 1000 * percentile(values, q)
+    return row
+
+
+def print_table(rows: list[dict], baseline: dict) -> str:
+    head = (
+        "| rate (req/s) | done | req/s | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
+        "| ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | E2E p50 / unloaded |"
+    )
+    lines = [head, "|" + "---|" * 9]
+
+    def trio(row: dict, key: str) -> str:
+        return "/".join(f"{row[f'{key}_p{q}_ms']:.0f}" for q in (50, 90, 99))
+
+    for row in [baseline, *rows]:
+        rate = "1 at a time" if row is baseline else f"{row['rate']:g}"
+        ratio = row["e2e_p50_ms"] / baseline["e2e_p50_ms"]
+        lines.append(
+            f"| {rate} | {row['completed']}/{row['completed'] + row['failed']} "
+            f"| {row['req_per_s']:.2f} | {row['out_tok_per_s']:.1f} | {trio(row, 'ttft')} "
+            f"| {trio(row, 'tpot')} | {trio(row, 'itl')} | {trio(row, 'e2e')} | {ratio:.2f}x |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r for r in rows if math.isfinite(r["rate"])]
+    rates = [r["rate"] for r in finite]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (name, label) in zip(axes, [("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E")]):
+        for q, style in ((50, "o-"), (90, "s--"), (99, "^:")):
+            ax.plot(rates, [r[f"{name}_p{q}_ms"] for r in finite], style, label=f"p{q}")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def offline_throughput(model: str, server_args: str, prompts: list[list[int]], out: int) -> float:
+    """Output tok/s of the offline LLM on the same requests, all at once (the upper bound)."""
+    from pagedllm.entrypoints.cli import add_engine_args, engine_args_from
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns, _ = parser.parse_known_args(server_args.split())
+    ns.model = model
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--base-url", help="a running server (http://host:port)")
+    where.add_argument("--model", help="start `pagedllm serve MODEL` (default: the demo model)")
+    ap.add_argument("--server-args", default="", help="extra `pagedllm serve` flags, quoted")
+    ap.add_argument("--request-rates", nargs="+", type=float, default=[1, 2, 4, 8, math.inf])
+    ap.add_argument("--num-prompts", type=int, default=48, help="requests per rate")
+    ap.add_argument("--baseline-prompts", type=int, default=8, help="requests sent one by one")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", type=Path, default=Path("benchmarks/results/serving.png"))
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    ap.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="with --model: after the server stops, run the same requests through the offline "
+        "LLM and report served / offline throughput",
+    )
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    proc = None
+    url = args.base_url
+    if url is None:
+        proc, url = start_server(args.model or default_model_path(), args.server_args.split())
+    try:
+        prompts = make_prompts(url, args.num_prompts, args.input_len, args.seed)
+        print(f"machine: {machine()}\nserver: {url}")
+        print(f"{args.num_prompts} requests per rate, {args.input_len} in / {args.output_len} out")
+        asyncio.run(run_sequential(url, prompts[:2], args.output_len))  # warm-up
+        start = time.perf_counter()
+        base = asyncio.run(run_sequential(url, prompts[: args.baseline_prompts], args.output_len))
+        baseline = summarize(0.0, base, time.perf_counter() - start)
+        rows = []
+        for i, rate in enumerate(args.request_rates):
+            results, seconds = asyncio.run(
+                run_rate(url, prompts, args.output_len, rate, args.seed + i)
+            )
+            rows.append(summarize(rate, results, seconds))
+            errors = {r.error for r in results if not r.ok}
+            print(f"rate {rate:g}: {rows[-1]['completed']} done in {seconds:.1f} s {errors or ''}")
+        print_table(rows, baseline)
+        if args.json:
+            args.json.write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
+        if args.plot:
+            title = f"{args.input_len} in / {args.output_len} out tokens, {args.num_prompts} req"
+            plot(rows, args.plot, f"Latency vs request rate ({title})")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    if args.offline_baseline and proc is not None:
+        model = args.model or default_model_path()
+        offline = offline_throughput(model, args.server_args, prompts, args.output_len)
+        best = max(rows, key=lambda r: r["out_tok_per_s"])
+        print(
+            f"offline LLM, same {len(prompts)} requests at once: {offline:.1f} out tok/s; "
+            f"best served rate ({best['rate']:g} req/s): {best['out_tok_per_s']:.1f} out tok/s "
+            f"= {best['out_tok_per_s'] / offline:.2f}x offline"
+        )
+
+
+if __name__ == "__main__":
+    main()

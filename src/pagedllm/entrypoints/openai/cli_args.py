@@ -1,0 +1,78 @@
+"""``pagedllm serve [MODEL]``: the OpenAI-compatible server's command line (vLLM's flags)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        name,
+        help=SUBCOMMANDS[name][1],
+        description="Serve a model over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /metrics ...).",
+    )
+    add_engine_args(p, model_positional=True)
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model; the first is reported "
+        "(default: the model folder as given, or the bundled model's name)",
+    )
+    server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="answer 503 once this many requests wait to be scheduled",
+    )
+    server.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic statistics line"
+    )
+    server.add_argument(
+        "--log-stats-interval", type=float, default=10.0, help="seconds between statistics lines"
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    server.add_argument(
+        "--role",
+        dest="partition_role",
+        choices=["edge", "cloud"],
+        default="edge",
+        help="with --partition: edge serves this API and runs the first layers; cloud runs "
+        "the rest for one edge, listening on --partition-address (same as --partition-role)",
+    )
+    p.set_defaults(func=_serve)
+    return p
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.server import run_server
+
+    args = engine_args_from(ns)
+    if args.partition is not None and args.partition_role == "cloud":
+        from pagedllm.entrypoints.partition_cli import run_cloud_worker
+
+        return run_cloud_worker(args)
+    explicit = bool(getattr(ns, "model_pos", None) or ns.model)
+    names = ns.served_model_name or [args.model if explicit else Path(args.model).name]
+    run_server(
+        args,
+        host=ns.host,
+        port=ns.port,
+        served_model_names=names,
+        max_waiting_requests=ns.max_waiting_requests,
+        log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
+        uvicorn_log_level=ns.uvicorn_log_level,
+    )
+    return 0

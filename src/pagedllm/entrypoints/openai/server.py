@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory, routes, errors, and startup.
+
+``build_app(engine_or_args)`` gives an ASGI app; ``run_server`` serves it with uvicorn and
+prints the startup block; ``serve_in_thread`` runs one in a background thread (tests,
+benchmarks, notebooks), with the engine reachable in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_engine import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    AsyncLLMEngine,
+    EngineError,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving import (
+    ClientDisconnected,
+    OpenAIServing,
+    ServedModel,
+    ServingError,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.metrics.loggers import LoggingStatLogger
+from pagedllm.metrics.monitor import InferenceMonitor
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(
+    engine: AsyncLLMEngine | EngineArgs,
+    served_model_names: Sequence[str] | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    log_stats_interval: float | None = 10.0,
+) -> FastAPI:
+    """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
+
+    ``app.state`` holds ``engine`` (AsyncLLMEngine), ``served_model``, ``metrics``
+    (PrometheusStatLogger) and ``monitor`` (an InferenceMonitor on the same registry).
+    """
+    owned = isinstance(engine, EngineArgs)
+    if isinstance(engine, EngineArgs):
+        engine = AsyncLLMEngine.from_engine_args(engine, max_waiting_requests)
+    model = served_model(engine, served_model_names)
+    metrics = PrometheusStatLogger(
+        model.name, model.max_model_len, cache_info(engine), process_metrics=True
+    )
+    # Stat loggers are added before the engine thread starts (the lifespan starts it).
+    engine.engine.add_stat_logger(metrics)
+    if log_stats_interval:
+        engine.engine.add_stat_logger(LoggingStatLogger(log_stats_interval))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        if owned:
+            engine.shutdown()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.served_model = model
+    app.state.metrics = metrics
+    app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
+    _add_error_handlers(app)
+    _add_routes(app, engine, model, metrics)
+    return app
+
+
+def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedModel:
+    config = engine.engine.config.model
+    return ServedModel(
+        names=list(names) if names else [config.model],
+        path=config.model,
+        max_model_len=config.max_model_len,
+    )
+
+
+def cache_info(engine: AsyncLLMEngine) -> dict[str, str]:
+    """Labels of the cache_config_info gauge."""
+    cache = engine.engine.config.cache
+    return {
+        "block_size": str(cache.block_size),
+        "num_gpu_blocks": str(engine.engine.kv_cache.num_blocks),
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+        "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+    }
+
+
+def _json(model: BaseModel, status: int = 200) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServingError)
+    async def serving_error(_: Request, e: ServingError) -> JSONResponse:
+        return _json(e.to_response(), e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = validation_error_of(e.errors())
+        return _json(err.to_response(), err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _json(ServingError(str(e.detail), status=e.status_code).to_response(), e.status_code)
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, e: EngineError) -> JSONResponse:
+        return _json(ServingError(str(e), status=500).to_response(), 500)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for a closed client
+
+
+def validation_error_of(errors: Sequence[dict[str, Any]]) -> ServingError:
+    """A 400 naming the fields pydantic rejected (or saying the body is not JSON)."""
+    parts, params = [], []
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", err.get("msg"))
+            return ServingError(f"the request body is not valid JSON: {detail}")
+        path = [str(p) for p in err.get("loc", ()) if p != "body"]
+        params.append(path[0] if path else None)
+        parts.append(f"{'.'.join(path) or 'body'}: {err.get('msg', 'invalid')}")
+    return ServingError("; ".join(parts) or "invalid request", param=params[0] if params else None)
+
+
+def _add_routes(
+    app: FastAPI, engine: AsyncLLMEngine, model: ServedModel, metrics: PrometheusStatLogger
+) -> None:
+    from pagedllm import __version__
+
+    base = OpenAIServing(engine, model)
+    completion = OpenAIServingCompletion(engine, model)
+    chat = OpenAIServingChat(engine, model)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return _json(
+                ServingError(f"engine is dead: {engine.dead_error}", status=503).to_response(), 503
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [
+            ModelCard(id=name, root=model.path, max_model_len=model.max_model_len)
+            for name in model.names
+        ]
+        return _json(ModelList(data=cards))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        result = await completion.create(req, raw)
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        result = await chat.create(req, raw)
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        return _json(base.tokenize(req))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        return _json(base.detokenize(req))
+
+
+# ---- running ------------------------------------------------------------------------------
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one), bound before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def startup_banner(app: FastAPI, host: str, port: int) -> str:
+    """The block printed at start: where to connect and what the engine can hold."""
+    engine: AsyncLLMEngine = app.state.engine
+    model: ServedModel = app.state.served_model
+    config = engine.engine.config
+    blocks = engine.engine.kv_cache.num_blocks
+    block_size = config.cache.block_size
+    per_request = math.ceil(model.max_model_len / block_size)
+    shown_host = f"[{host}]" if ":" in host else host
+    url = f"http://{shown_host}:{port}"
+    lines = [
+        "pagedllm OpenAI-compatible server",
+        f"  URL          {url}/v1   (completions, chat/completions, models)",
+        f"  model        {model.name}" + (f"  ({model.path})" if model.path != model.name else ""),
+        f"  dtype        {config.model.dtype}",
+        f"  device       {config.device.device}",
+        f"  KV cache     {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens",
+        f"  concurrency  {blocks / per_request:.2f} requests at max_model_len "
+        f"{model.max_model_len}",
+        f"  metrics      {url}/metrics",
+    ]
+    width = max(len(line) for line in lines)
+    rule = "=" * width
+    return "\n".join([rule, *lines, rule])
+
+
+def run_server(
+    engine_args: EngineArgs,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_names: Sequence[str] | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    log_stats_interval: float | None = 10.0,
+    uvicorn_log_level: str = "info",
+) -> None:
+    """Load the model, print the startup block and serve until interrupted."""
+    sock = bind_socket(host, port)
+    try:
+        app = build_app(engine_args, served_model_names, max_waiting_requests, log_stats_interval)
+        print(startup_banner(app, host, sock.getsockname()[1]), flush=True)
+        config = uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn has shut down gracefully and re-raised Ctrl-C: a normal stop
+    finally:
+        sock.close()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve app from a background thread; yields the base URL, stops the server on exit."""
+    sock = bind_socket(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="pagedllm-http", daemon=True
+    )
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the server thread ended during startup; see the log.")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

@@ -1,0 +1,419 @@
+"""What completions and chat completions share: model check, prompts, sampling parameters,
+errors, logprob formatting, streaming deltas and client-disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from pagedllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from pagedllm.engine.llm_engine import PromptType
+from pagedllm.engine.outputs import RequestOutput, TokenLogprobs
+from pagedllm.entrypoints.openai.protocol import (
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
+from pagedllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class ServingError(Exception):
+    """An error answered as an OpenAI-style error body with an HTTP status."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
+        )
+
+
+class ClientDisconnected(Exception):
+    """The client went away; its request has been aborted."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    names: list[str]  # names clients may use; the first is reported back and in metrics
+    path: str  # the model folder
+    max_model_len: int
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers: one engine, one served model."""
+
+    def __init__(self, engine: AsyncLLMEngine, model: ServedModel) -> None:
+        self.engine = engine
+        self.model = model
+        self.tokenizer = engine.get_tokenizer()
+        self._token_texts: dict[int, str] = {}
+
+    # ---- request checks ------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model.names:
+            raise ServingError(
+                f"The model `{name}` does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model.names)}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of a conversation, by the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ServingError("the model's tokenizer has no chat template.", param="messages")
+        conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # a template error is the request's fault (roles, fields)
+            raise ServingError(f"cannot apply the chat template: {e}", param="messages") from e
+
+    def sampling_params(
+        self,
+        req: SamplingFields,
+        prompt_len: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str = "prompt",
+    ) -> SamplingParams:
+        """SamplingParams of a request, after the context-length check; errors are 400s."""
+        if req.logit_bias:
+            raise ServingError("logit_bias is not supported.", param="logit_bias")
+        limit = self.model.max_model_len
+        wanted = prompt_len + (max_tokens or 1)
+        if wanted > limit:
+            raise ServingError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {wanted} tokens ({prompt_len} in the prompt, {max_tokens or 1} for "
+                "the completion). Please reduce the length of the prompt or of the completion.",
+                param=prompt_param if prompt_len >= limit else "max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                seed=req.seed,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                max_tokens=limit - prompt_len if max_tokens is None else max_tokens,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise bad_request(e, req) from e
+
+    # ---- running requests ----------------------------------------------------------------
+    async def add_requests(
+        self, request_id: str, prompts: Sequence[tuple[PromptType, SamplingParams]]
+    ) -> list[RequestStream]:
+        """Queue one engine request per prompt; on any error the ones queued are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, params) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt, params))
+        except BaseException as e:
+            for stream in streams:
+                stream.abort()
+            error = engine_error(e)
+            if error is e:
+                raise
+            raise error from e
+        return streams
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """/tokenize: a prompt, or messages rendered by the chat template."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ServingError("give exactly one of prompt and messages.", param="prompt")
+        if req.messages is not None:
+            text = self.render_chat(req.messages, req.add_generation_prompt)
+            ids = self.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.encode(req.prompt or "", add_special_tokens=add)
+        return TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}).", param="tokens"
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as the API shows it (cached: the vocabulary is fixed)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def message_text(message: ChatMessage) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ServingError(
+                f"only text content parts are supported, got {part.type!r}.", param="messages"
+            )
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def bad_request(error: ValueError, req: BaseModel | None = None) -> ServingError:
+    """A 400 from a ValueError whose message starts with the offending field's name."""
+    word = str(error).split(" ", 1)[0]
+    param = word if req is not None and word in type(req).model_fields else None
+    return ServingError(str(error), param=param)
+
+
+def engine_error(error: BaseException) -> BaseException:
+    """The ServingError for an engine exception (other exceptions pass through)."""
+    if isinstance(error, ValueError):
+        return bad_request(error)
+    if isinstance(error, EngineOverloadedError):
+        return ServingError(str(error), status=503, code="server_overloaded")
+    if isinstance(error, EngineDeadError):
+        return ServingError(str(error), status=503, code="engine_dead")
+    return error
+
+
+# ---- outputs -----------------------------------------------------------------------------
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the previous delta."""
+
+    index: int  # the choice's index in the response (prompt offset applied)
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # for token_ids, when logprobs were asked for
+    finish_reason: str | None
+
+
+@dataclass
+class DeltaTracker:
+    """Turns cumulative RequestOutputs of one prompt into per-choice deltas.
+
+    A delta is produced when a choice has new text or has finished; tokens without visible
+    text yet (a partial UTF-8 character, a held-back stop string) ride with the next one.
+    """
+
+    index_offset: int = 0
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    last: RequestOutput | None = None
+
+    def update(self, out: RequestOutput) -> list[ChoiceDelta]:
+        self.last = out
+        deltas = []
+        for comp in out.outputs:
+            if comp.index in self.done:
+                continue
+            chars = self.sent_chars.get(comp.index, 0)
+            tokens = self.sent_tokens.get(comp.index, 0)
+            text = comp.text[chars:]
+            if not text and comp.finish_reason is None:
+                continue
+            new_logprobs = comp.logprobs[tokens:] if comp.logprobs is not None else None
+            deltas.append(
+                ChoiceDelta(
+                    self.index_offset + comp.index,
+                    text,
+                    comp.token_ids[tokens:],
+                    new_logprobs,
+                    comp.finish_reason,
+                )
+            )
+            self.sent_chars[comp.index] = len(comp.text)
+            self.sent_tokens[comp.index] = len(comp.token_ids)
+            if comp.finish_reason is not None:
+                self.done.add(comp.index)
+        return deltas
+
+
+def usage_info(outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+    """Token counts over the requests of one API call (all n choices of each)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def error_event(error: Exception) -> str:
+    """An error met after a stream began, sent as an event (the status is already 200)."""
+    err = engine_error(error)
+    if not isinstance(err, ServingError):
+        err = ServingError(str(error), status=500)
+    return sse(err.to_response())
+
+
+def top_entries(entry: TokenLogprobs, limit: int | None = None) -> list[tuple[int, float]]:
+    """(token id, logprob) of one position, most likely first, at most limit of them."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+    if limit is not None:
+        ranked = ranked[:limit]
+    return [(tid, lp.logprob) for tid, lp in ranked]
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event as OpenAI writes it: ``data: {json}`` and a blank line."""
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def event_stream(events: AsyncIterator[str], streams: Sequence[RequestStream]) -> StreamingResponse:
+    """The HTTP response of a streamed request.
+
+    Starlette cancels the events when the client disconnects, which aborts the requests; the
+    background abort also covers a disconnect before the first event was pulled.
+    """
+
+    def abort_unfinished() -> None:
+        for stream in streams:
+            stream.abort()
+
+    return StreamingResponse(
+        events, media_type="text/event-stream", background=BackgroundTask(abort_unfinished)
+    )
+
+
+# ---- merging and disconnects -------------------------------------------------------------
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position.
+
+    Leaving early (or an error in one stream) aborts every stream that has not finished.
+    """
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0].outputs()) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream.outputs():
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def collect_finals(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The final output of each request, in the streams' order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        finals[i] = out
+    return [f for f in finals if f is not None]
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
+    """Await work, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()

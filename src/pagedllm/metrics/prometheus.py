@@ -1,0 +1,185 @@
+"""Prometheus collectors of the engine, named like vLLM's (``pagedllm:`` prefix, model_name label).
+
+``PrometheusStatLogger.record`` is called by the engine after every step (on the engine thread;
+prometheus_client is thread-safe). Cumulative engine counters (prefix-cache lookups,
+preemptions) become Prometheus counters by adding the difference since the previous step.
+Every collector lives in the logger's own registry, so several servers in one process (tests)
+never collide; ``render()`` gives the text that /metrics serves.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from pagedllm.engine.stats import IterationStats, SchedulerStats
+
+PREFIX = "pagedllm:"
+
+# Bucket edges follow vLLM's, with finer low edges: a small model on a CPU answers in ms.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
+TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3]
+ITL_BUCKETS += [0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0]
+LATENCY_BUCKETS += [15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (the edges vLLM uses for token counts)."""
+    edges: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_value:
+                return edges
+            edges.append(float(value))
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """Engine metrics as Prometheus collectors; pass to ``LLMEngine.add_stat_logger``."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_info: dict[str, str] | None = None,
+        registry: CollectorRegistry | None = None,
+        process_metrics: bool = True,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+        self._build_gauges(cache_info or {})
+        self._build_counters()
+        self._build_histograms(max_model_len)
+        self._last_queries = 0
+        self._last_hits = 0
+        self._last_preemptions = 0
+
+    # ---- collectors ----------------------------------------------------------------------
+    def _labels(self, kind: type, name: str, doc: str, **kwargs: object) -> object:
+        """The child of collector PREFIX + name for this model's name."""
+        collector = kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kwargs)
+        return collector.labels(model_name=self.model_name)
+
+    def _build_gauges(self, cache_info: dict[str, str]) -> None:
+        g = self._labels
+        self.num_running = g(
+            Gauge, "num_requests_running", "Sequences in the running batch (n > 1 counts n)."
+        )
+        self.num_waiting = g(
+            Gauge, "num_requests_waiting", "Sequences waiting to be scheduled, preempted included."
+        )
+        self.kv_cache_usage = g(Gauge, "kv_cache_usage_perc", "KV-cache usage; 1 means 100%.")
+        info = Gauge(
+            PREFIX + "cache_config_info",
+            "Information of the KV-cache configuration.",
+            ["model_name", *sorted(cache_info)],
+            registry=self.registry,
+        )
+        info.labels(model_name=self.model_name, **cache_info).set(1)
+
+    def _build_counters(self) -> None:
+        c = self._labels
+        self.prefix_queries = c(
+            Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = c(
+            Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.preemptions = c(Counter, "num_preemptions", "Preemptions of running sequences.")
+        self.prompt_tokens = c(Counter, "prompt_tokens", "Prompt tokens computed (prefill).")
+        self.generation_tokens = c(Counter, "generation_tokens", "Tokens generated.")
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in ("stop", "length"):  # exported as 0 before the first request ends
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason)
+
+    def _build_histograms(self, max_model_len: int) -> None:
+        h = self._labels
+        tokens = token_buckets(max_model_len)
+        self.ttft = h(
+            Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS
+        )
+        self.itl = h(
+            Histogram, "inter_token_latency_seconds", "Inter-token latency.", buckets=ITL_BUCKETS
+        )
+        latency = {
+            "e2e": ("e2e_request_latency_seconds", "End-to-end request latency."),
+            "queue": ("request_queue_time_seconds", "Time in the waiting queue."),
+            "prefill": ("request_prefill_time_seconds", "First scheduled -> first token."),
+            "decode": ("request_decode_time_seconds", "First token -> last token."),
+        }
+        self.request_latency = {
+            key: h(Histogram, name, doc, buckets=LATENCY_BUCKETS)
+            for key, (name, doc) in latency.items()
+        }
+        self.request_prompt_tokens = h(
+            Histogram,
+            "request_prompt_tokens",
+            "Prompt length of finished requests.",
+            buckets=tokens,
+        )
+        self.request_generation_tokens = h(
+            Histogram,
+            "request_generation_tokens",
+            "Generated tokens of finished requests (all n samples).",
+            buckets=tokens,
+        )
+        self.iteration_tokens = h(
+            Histogram,
+            "iteration_tokens",
+            "Tokens computed per engine step.",
+            buckets=token_buckets(max(max_model_len, 16384)),
+        )
+
+    # ---- the StatLogger protocol ---------------------------------------------------------
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        s, it = scheduler_stats, iteration_stats
+        self.num_running.set(s.num_running)
+        self.num_waiting.set(s.num_waiting)
+        self.kv_cache_usage.set(s.kv_cache_usage)
+        self.prefix_queries.inc(max(0, s.prefix_cache_queries - self._last_queries))
+        self.prefix_hits.inc(max(0, s.prefix_cache_hits - self._last_hits))
+        self.preemptions.inc(max(0, s.num_preemptions - self._last_preemptions))
+        self._last_queries = s.prefix_cache_queries
+        self._last_hits = s.prefix_cache_hits
+        self._last_preemptions = s.num_preemptions
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_batched_tokens:
+            self.iteration_tokens.observe(it.num_batched_tokens)
+        for ttft in it.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.itl.observe(itl)
+        for req in it.finished_requests:
+            self.request_success.labels(
+                model_name=self.model_name, finished_reason=req.finish_reason
+            ).inc()
+            self.request_latency["e2e"].observe(req.e2e_latency)
+            self.request_latency["queue"].observe(req.queue_time)
+            self.request_latency["prefill"].observe(req.prefill_time)
+            self.request_latency["decode"].observe(req.decode_time)
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+            self.request_generation_tokens.observe(req.num_generation_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector in the registry."""
+        return generate_latest(self.registry)

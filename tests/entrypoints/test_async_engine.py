@@ -1,0 +1,181 @@
+"""AsyncLLMEngine: concurrent requests share batches, leaving early aborts, errors propagate."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pagedllm import EngineArgs, SamplingParams
+from pagedllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineError,
+    EngineOverloadedError,
+)
+from pagedllm.worker.executor import ExecutorLostError
+
+
+class Recorder:
+    """A stat logger remembering the largest running batch and the requests that finished."""
+
+    def __init__(self) -> None:
+        self.max_running = 0
+        self.finished = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:  # noqa: ANN001
+        self.max_running = max(self.max_running, scheduler_stats.num_running)
+        self.finished += len(iteration_stats.finished_requests)
+
+
+@pytest.fixture()
+def engine(tiny_llama):
+    args = EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=256)
+    engine = AsyncLLMEngine.from_engine_args(args)
+    engine.recorder = Recorder()
+    engine.engine.add_stat_logger(engine.recorder)
+    yield engine
+    engine.shutdown()
+
+
+def idle_state(engine: AsyncLLMEngine) -> tuple[bool, float]:
+    """(has unfinished requests, KV usage), read on the engine thread after an integrity check."""
+
+    def read(e):  # noqa: ANN001, ANN202
+        e.check_integrity()
+        return e.has_unfinished_requests(), e.block_manager.usage
+
+    return engine.submit(read).result(timeout=30)
+
+
+async def final_text(engine: AsyncLLMEngine, prompt: str, rid: str, max_tokens: int = 12) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    text = None
+    async for out in engine.generate(prompt, params, rid):
+        text = out.outputs[0].text
+    return text
+
+
+PROMPTS = [f"The quick brown fox {i}" for i in range(6)] + ["A list is", "Dictionaries map"]
+
+
+def test_concurrent_requests_share_a_batch_and_match_one_by_one(engine) -> None:
+    async def main() -> tuple[list[str], list[str]]:
+        together = await asyncio.gather(
+            *(final_text(engine, p, f"c{i}") for i, p in enumerate(PROMPTS))
+        )
+        alone = [await final_text(engine, p, f"s{i}") for i, p in enumerate(PROMPTS)]
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    assert together == alone
+    assert all(len(t) > 0 for t in together)
+    assert engine.recorder.max_running == len(PROMPTS)  # every request in one running batch
+    assert idle_state(engine) == (False, 0.0)
+
+
+def test_leaving_the_iteration_aborts_and_frees_blocks(engine) -> None:
+    async def main() -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        seen = 0
+        async for out in engine.generate("The quick brown fox", params, "early"):
+            seen = len(out.outputs[0].token_ids)
+            if seen >= 2:
+                break
+        return seen
+
+    assert asyncio.run(main()) >= 2
+    assert idle_state(engine) == (False, 0.0)
+    assert engine.recorder.finished == 0  # aborted, not run to max_tokens
+
+
+def test_cancelled_consumer_aborts(engine) -> None:
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate("The quick brown fox", params, "cancel-me"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert idle_state(engine) == (False, 0.0)
+    assert engine.recorder.finished == 0
+
+
+def test_bad_request_raises_value_error_and_others_continue(engine) -> None:
+    async def main() -> str:
+        good = asyncio.create_task(final_text(engine, "The quick", "good", max_tokens=30))
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate([5] * 300, SamplingParams(max_tokens=1), "too-long"):
+                pass
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("good", "again", SamplingParams(max_tokens=1))
+        return await good
+
+    text = asyncio.run(main())
+    alone = asyncio.run(final_text(engine, "The quick", "good-alone", max_tokens=30))
+    assert text == alone  # the duplicate id did not abort the running request
+    assert idle_state(engine) == (False, 0.0)
+
+
+def test_waiting_queue_is_bounded(engine) -> None:
+    engine.max_waiting_requests = 2
+    gate = threading.Event()
+    engine.submit(lambda e: gate.wait(30))  # holds the engine thread: the adds queue up
+
+    async def main() -> list[object]:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        adds = [engine.add_request(f"q{i}", "The quick", params) for i in range(3)]
+        tasks = [asyncio.ensure_future(a) for a in adds]
+        await asyncio.sleep(0.05)  # let every add reach the command queue
+        gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if not isinstance(r, BaseException):
+                async for _ in r.outputs():
+                    pass
+        return results
+
+    results = asyncio.run(main())
+    overloaded = [r for r in results if isinstance(r, EngineOverloadedError)]
+    assert len(overloaded) == 1  # two fit the bound of 2 waiting requests, the third does not
+    assert "max-waiting-requests" in str(overloaded[0])
+    assert idle_state(engine) == (False, 0.0)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, ExecutorLostError])
+def test_engine_error_fails_running_requests_then_recovers(engine, monkeypatch, error) -> None:
+    # RuntimeError escapes LLMEngine.step; ExecutorLostError is turned by the engine into
+    # outputs with finish_reason "error". Either way the affected requests raise EngineError.
+    runner = engine.engine.executor
+    real = runner.execute_model
+    calls = {"n": 0}
+
+    def flaky(out):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise error("device lost")
+        return real(out)
+
+    monkeypatch.setattr(runner, "execute_model", flaky)
+
+    async def main() -> list[object]:
+        return await asyncio.gather(
+            final_text(engine, "The quick", "e1", max_tokens=20),
+            final_text(engine, "A list", "e2", max_tokens=20),
+            return_exceptions=True,
+        )
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineError) and "device lost" in str(r) for r in results)
+    assert idle_state(engine) == (False, 0.0)
+    assert not engine.errored
+    assert asyncio.run(final_text(engine, "The quick", "after", max_tokens=5))

@@ -1,0 +1,84 @@
+"""``pagedllm serve`` as a user runs it: a subprocess on a free port, its startup block, a
+request through the openai client, and a clean stop on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+
+def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "serve",
+        str(tiny_llama),
+        "--port=0",
+        "--served-model-name=tiny",
+        "--max-model-len=256",
+        "--kv-cache-memory-bytes=4194304",
+        "--uvicorn-log-level=warning",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        banner = read_until(proc, "metrics", timeout=120)
+        url = re.search(r"URL\s+(http://\S+)/v1", banner).group(1)
+        assert re.search(r"model\s+tiny", banner)
+        assert re.search(r"dtype\s+float32", banner) and re.search(r"device\s+cpu", banner)
+        blocks = int(re.search(r"KV cache\s+(\d+) blocks x 16 tokens = (\d+) tokens", banner)[1])
+        assert blocks > 0
+        # 256-token requests need 16 blocks each.
+        assert f"{blocks / 16:.2f} requests at max_model_len 256" in banner
+        assert f"metrics      {url}/metrics" in banner
+        wait_healthy(url, proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        result = client.completions.create(model="tiny", prompt="The quick", max_tokens=5)
+        assert result.usage.completion_tokens == 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    rest = proc.stdout.read()
+    assert proc.returncode == 0, rest
+    assert "Traceback" not in rest, rest
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    """stdout up to and including the first line containing marker."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("server exited early:\n" + "".join(lines))
+        lines.append(line)
+        if marker in line and "URL" in "".join(lines):
+            return "".join(lines)
+    raise AssertionError("no startup block:\n" + "".join(lines))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became healthy")
