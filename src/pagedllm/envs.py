@@ -23,3 +23,43 @@ def PAGEDLLM_CPU_KVCACHE_SPACE_GIB() -> float | None:  # noqa: N802
     """CPU KV-cache budget in GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE."""
     value = os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE")
     return float(value) if value else None
+
+
+def PAGEDLLM_TP_TIMEOUT() -> float:  # noqa: N802
+    """Seconds a tensor-parallel collective may wait for a peer before the engine fails."""
+    return float(os.environ.get("PAGEDLLM_TP_TIMEOUT", "300"))
+
+
+def PAGEDLLM_OVERLAP_MIN_TOKENS() -> int:  # noqa: N802
+    """Smallest step (in tokens) that tensor parallel splits into overlapping micro-batches."""
+    return int(os.environ.get("PAGEDLLM_OVERLAP_MIN_TOKENS", "128"))
+
+
+def MASTER_ADDR() -> str | None:  # noqa: N802 - torch.distributed's rendezvous variables
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def MASTER_PORT() -> int | None:  # noqa: N802
+    value = os.environ.get("MASTER_PORT")
+    return int(value) if value else None
+
+
+def launcher_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when a launcher such as torchrun started this process, else None."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return (int(rank), int(world)) if rank and world else None
+
+
+def PAGEDLLM_ATTENTION_TILES() -> str | None:  # noqa: N802
+    """Attention tile overrides, e.g. "block_m=32,block_n=64,num_stages=2,split_keys=512"."""
+    return os.environ.get("PAGEDLLM_ATTENTION_TILES") or None
+
+
+def PAGEDLLM_CPU_NATIVE_ARCH() -> bool:  # noqa: N802
+    """Build the CPU attention kernels for this machine's instruction set (default on)."""
+    return os.environ.get("PAGEDLLM_CPU_NATIVE_ARCH", "1") != "0"
+
+
+def TRITON_INTERPRET() -> bool:  # noqa: N802 - Triton's own variable, read here too
+    """Triton runs kernels in its CPU interpreter (tests of the GPU kernels without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -36,6 +36,8 @@ class AttentionBackend(ABC):
 # name -> "module:Class", imported only when chosen (Triton never loads on a CPU install).
 _REGISTRY: dict[str, str] = {
     "torch": "pagedllm.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "pagedllm.attention.cpu_backend:CpuAttentionBackend",
+    "triton": "pagedllm.attention.triton_backend:TritonAttentionBackend",
 }
 
 

@@ -60,3 +60,36 @@ class ForwardContext:
         if ForwardContext._current is None:
             raise RuntimeError("attention called outside a forward context")
         return ForwardContext._current
+
+
+@dataclass
+class VarlenBatch:
+    """Where the queries and keys of a varlen batch live: what every attention kernel takes.
+
+    K/V are either contiguous ([total_k, kv_heads, head_dim], sequence i at rows
+    cu_seqlens_k[i]:cu_seqlens_k[i] + seq_lens_k[i]) or paged ([num_blocks, block_size,
+    kv_heads, head_dim], key j of sequence i in slot j % block_size of block
+    block_table[i, j // block_size]). Queries sit at the end of their keys (bottom-right).
+    """
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens_k: torch.Tensor  # [B] int32
+    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32 when K/V are contiguous
+    block_table: torch.Tensor | None  # [B, max_blocks] int32 when K/V are paged
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens_k.shape[0])
+
+    @staticmethod
+    def from_metadata(metadata: AttentionMetadata) -> VarlenBatch:
+        return VarlenBatch(
+            cu_seqlens_q=metadata.query_start_loc,
+            seq_lens_k=metadata.seq_lens,
+            cu_seqlens_k=None,
+            block_table=metadata.block_tables,
+            max_seqlen_q=metadata.max_query_len,
+            max_seqlen_k=metadata.max_seq_len,
+        )

@@ -1,0 +1,254 @@
+"""Attention kernels against a naive implementation and torch's SDPA, in one run.
+
+    nice -n 5 python benchmarks/attention.py [--cases decode-125m,prefill-8x64-1024,...]
+        [--reps 5] [--out benchmarks/results/attention.md]
+
+Each case is a varlen batch (bf16, causal). Implementations:
+  naive         materialised scores, masked softmax, every sequence padded to the longest
+  sdpa/seq      torch.nn.functional.scaled_dot_product_attention, one sequence at a time, on
+                contiguous K/V (no paging: it cannot read a block table)
+  torch backend the engine's "torch" backend over the paged cache (block_size 16)
+  cpu backend   the engine's "cpu" backend (C++ kernel) over the same paged cache
+  flash_attn    pagedllm.attention.flash_attn_varlen_func on contiguous varlen K/V
+Times are the best of --reps runs (naive: one run), implementations interleaved so that they
+share the machine's load. The ratios use CPU time of one thread (--threads 1, the default):
+on a shared machine it is what the work costs, where wall time mostly measures the neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import cpu_kernels, flash_attn_varlen_func, get_tuning
+from pagedllm.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    query_lens: list[int]
+    key_lens: list[int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    naive_head_chunk: int  # heads per naive pass, to bound its [B, h, Lq, Lk] scores
+
+
+def spread(n: int, lo: int, hi: int) -> list[int]:
+    return [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+
+
+CASES = {
+    c.name: c
+    for c in [
+        Case("decode-125m", [1] * 32, [300] * 32, 12, 4, 64, 12),
+        Case("decode-16x64-2048", [1] * 16, spread(16, 64, 2048), 32, 8, 128, 32),
+        Case("prefill-8x64-1024", spread(8, 64, 1024), spread(8, 64, 1024), 16, 4, 64, 16),
+        Case("prefill-16x64-2048", spread(16, 64, 2048), spread(16, 64, 2048), 32, 8, 128, 2),
+    ]
+}
+BLOCK_SIZE = 16
+
+
+class Inputs:
+    """One case's tensors: flat q/k/v, the paged cache holding the same K/V, the metadata."""
+
+    def __init__(self, case: Case, dtype: torch.dtype) -> None:
+        g = torch.Generator().manual_seed(0)
+        total_q, total_k = sum(case.query_lens), sum(case.key_lens)
+        self.q = torch.randn(total_q, case.heads, case.head_dim, generator=g).to(dtype)
+        self.k = torch.randn(total_k, case.kv_heads, case.head_dim, generator=g).to(dtype)
+        self.v = torch.randn(total_k, case.kv_heads, case.head_dim, generator=g).to(dtype)
+        self.cu_q = self._cu(case.query_lens)
+        self.cu_k = self._cu(case.key_lens)
+        blocks = [-(-n // BLOCK_SIZE) for n in case.key_lens]
+        ids = torch.randperm(sum(blocks), generator=g).int()  # shuffled like a used cache
+        shape = (sum(blocks), BLOCK_SIZE, case.kv_heads, case.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype)
+        self.v_cache = torch.zeros(shape, dtype=dtype)
+        table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
+        slots, new_rows, start = [], [], 0
+        for i, (n_blocks, key_len, q_len) in enumerate(zip(blocks, case.key_lens, case.query_lens)):
+            table[i, :n_blocks] = ids[start : start + n_blocks]
+            start += n_blocks
+            pos = torch.arange(key_len)
+            seq_slots = table[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+            slots.append(seq_slots)
+            new_rows.append(int(self.cu_k[i]) + key_len - q_len + torch.arange(q_len))
+        all_slots = torch.cat(slots)
+        self.k_cache.view(-1, *shape[2:])[all_slots] = self.k
+        self.v_cache.view(-1, *shape[2:])[all_slots] = self.v
+        rows = torch.cat(new_rows)  # this step's tokens: the last query_len keys of each seq
+        self.new_k, self.new_v = self.k[rows], self.v[rows]
+        self.metadata = AttentionMetadata(
+            query_start_loc=self.cu_q,
+            seq_lens=torch.tensor(case.key_lens, dtype=torch.int32),
+            block_tables=table,
+            slot_mapping=torch.cat([s[len(s) - q :] for s, q in zip(slots, case.query_lens)]),
+            query_lens_cpu=list(case.query_lens),
+            seq_lens_cpu=list(case.key_lens),
+            max_query_len=max(case.query_lens),
+            max_seq_len=max(case.key_lens),
+        )
+
+    @staticmethod
+    def _cu(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def naive(case: Case, x: Inputs, scale: float) -> torch.Tensor:
+    """Pad every sequence to the longest, materialise the scores, mask, softmax.
+
+    In fp32: torch's bf16 matmul on a CPU without bf16 units is many times slower than its
+    fp32 one, and the baseline should not be slower than it needs to be."""
+    batch, len_q, len_k = len(case.query_lens), max(case.query_lens), max(case.key_lens)
+    group = case.heads // case.kv_heads
+    q = torch.zeros(batch, len_q, case.heads, case.head_dim)
+    k = torch.zeros(batch, len_k, case.kv_heads, case.head_dim)
+    v = torch.zeros_like(k)
+    for i, (nq, nk) in enumerate(zip(case.query_lens, case.key_lens)):
+        q[i, :nq] = x.q[x.cu_q[i] : x.cu_q[i + 1]]
+        k[i, :nk] = x.k[x.cu_k[i] : x.cu_k[i + 1]]
+        v[i, :nk] = x.v[x.cu_k[i] : x.cu_k[i + 1]]
+    q_len = torch.tensor(case.query_lens)[:, None, None]
+    k_len = torch.tensor(case.key_lens)[:, None, None]
+    pos = torch.arange(len_q)[None, :, None] + k_len - q_len  # [B, Lq, 1]
+    key = torch.arange(len_k)[None, None, :]
+    mask = (key <= pos) & (key < k_len)  # [B, Lq, Lk]
+    out = torch.empty_like(q)
+    k, v = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))  # [B, H, Lk, D]
+    for h in range(0, case.heads, case.naive_head_chunk):
+        hs = slice(h, h + case.naive_head_chunk)
+        scores = torch.matmul(q[:, :, hs].transpose(1, 2), k[:, hs].transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, :, hs] = torch.matmul(probs, v[:, hs]).transpose(1, 2)
+    return torch.cat([out[i, :n] for i, n in enumerate(case.query_lens)]).to(x.q.dtype)
+
+
+def sdpa_per_sequence(case: Case, x: Inputs, scale: float) -> torch.Tensor:
+    outs = []
+    for i, (nq, nk) in enumerate(zip(case.query_lens, case.key_lens)):
+        q = x.q[x.cu_q[i] : x.cu_q[i + 1]].transpose(0, 1)[None]  # [1, H, n, D]
+        k = x.k[x.cu_k[i] : x.cu_k[i + 1]].transpose(0, 1)[None]
+        v = x.v[x.cu_k[i] : x.cu_k[i + 1]].transpose(0, 1)[None]
+        causal = nq == nk  # a lone decode query sees every key: no mask needed
+        outs.append(
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)[
+                0
+            ].transpose(0, 1)
+        )
+    return torch.cat(outs)
+
+
+def implementations(case: Case, x: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
+    scale = case.head_dim**-0.5
+    torch_backend, cpu_backend = TorchAttentionBackend(), CpuAttentionBackend()
+
+    def backend(b):
+        return lambda: b.forward(x.q, x.new_k, x.new_v, x.k_cache, x.v_cache, x.metadata, scale, -1)
+
+    return {
+        "naive": lambda: naive(case, x, scale),
+        "sdpa/seq": lambda: sdpa_per_sequence(case, x, scale),
+        "torch backend": backend(torch_backend),
+        "cpu backend": backend(cpu_backend),
+        "flash_attn": lambda: flash_attn_varlen_func(
+            x.q, x.k, x.v, x.cu_q, x.cu_k, max(case.query_lens), max(case.key_lens), causal=True
+        ),
+    }
+
+
+Timing = tuple[float, float]  # (CPU ms, wall ms)
+
+
+def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Timing]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, (1e3 * (time.process_time() - cpu), 1e3 * (time.perf_counter() - wall))
+
+
+def measure(case: Case, reps: int) -> dict[str, Timing]:
+    """Best of reps for each implementation (naive: its one reference run)."""
+    x = Inputs(case, torch.bfloat16)
+    impls = implementations(case, x)
+    with torch.inference_mode():
+        want, naive_time = timed(impls.pop("naive"))
+        best = {"naive": naive_time}
+        for name, fn in impls.items():  # warm up, and check every result against naive
+            err = (fn().float() - want.float()).abs().max().item()
+            assert err < 5e-2, f"{case.name} {name}: max error {err}"
+            best[name] = (float("inf"), float("inf"))
+        for _ in range(reps):  # interleaved: every implementation sees the same load
+            for name, fn in impls.items():
+                _, (cpu, wall) = timed(fn)
+                best[name] = (min(best[name][0], cpu), min(best[name][1], wall))
+    return best
+
+
+def describe(case: Case) -> str:
+    kind = "decode" if max(case.query_lens) == 1 else "prefill"
+    lens = sorted(set(case.key_lens))
+    ctx = f"{lens[0]}" if len(lens) == 1 else f"{lens[0]}-{lens[-1]}"
+    return (
+        f"{kind}: {len(case.key_lens)} seqs, {ctx} keys, {case.heads}/{case.kv_heads} heads, "
+        f"d={case.head_dim}, bf16, causal"
+    )
+
+
+def table(results: dict[str, dict[str, Timing]]) -> str:
+    lines = [
+        "| case | implementation | CPU ms | wall ms | vs naive | vs sdpa/seq |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for case_name, times in results.items():
+        for name, (cpu, wall) in times.items():
+            lines.append(
+                f"| {case_name} | {name} | {cpu:.2f} | {wall:.2f} | "
+                f"{times['naive'][0] / cpu:.2f}x | {times['sdpa/seq'][0] / cpu:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="write the table (markdown)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.load():
+        raise SystemExit("the C++ kernel did not build; nothing to compare")
+    results: dict[str, dict[str, float]] = {}
+    for name in args.cases.split(","):
+        case = CASES[name]
+        results[name] = measure(case, args.reps)
+        tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads)
+        print(
+            f"{name}: {describe(case)}; tiles block_m={tiles.block_m} block_n={tiles.block_n}",
+            flush=True,
+        )
+        print(table({name: results[name]}), flush=True)
+    text = table(results)
+    header = (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}"
+    )
+    print(header)
+    if args.out:
+        args.out.write_text(header + "\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,550 @@
+// Varlen / paged attention for CPU: tiled online softmax (FlashAttention-2 style), fp32
+// accumulation, K/V rows read in place (through the block table when paged: no gather copy).
+//
+// Work item = (sequence, query tile, one or all kv heads). A tile's rows are its query tokens
+// times the query heads sharing a kv head (GQA), so every K/V row loaded serves the group.
+// Scores: a 4-row x 2-key dot-product micro-kernel whose 8 partial vectors are reduced
+// together (hadd tree). P @ V: a 4-row x 16-dim outer-product micro-kernel. Both convert
+// bf16/fp16 rows on the fly. Written with GCC/Clang vector extensions: AVX2 registers here,
+// NEON pairs elsewhere, no intrinsics.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+// GCC 12+ and Clang: __builtin_shufflevector and _Float16 vectors; older GCC: __builtin_shuffle
+// and a scalar fp16 conversion.
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define HAVE_FLOAT16_VECTORS 1
+typedef _Float16 v8f16 __attribute__((vector_size(16)));
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#define HAVE_FLOAT16_VECTORS 0
+#endif
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+ALWAYS_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+ALWAYS_INLINE v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 16 elements as two fp32 vectors in the type's lane order. fp32 / fp16: natural order. bf16:
+// the even elements, then the odd ones, so that a 32-bit lane holding two bf16 values becomes
+// two floats with one shift and one mask. Q, O and fp32 copies of K/V in scratch use the same
+// order, so only loading queries and storing outputs see it (lane_pos).
+ALWAYS_INLINE void load16(const float* p, v8f& a, v8f& b) {
+  std::memcpy(&a, p, sizeof(a));
+  std::memcpy(&b, p + 8, sizeof(b));
+}
+
+ALWAYS_INLINE void load16(const c10::BFloat16* p, v8f& a, v8f& b) {
+  v8u w;
+  std::memcpy(&w, p, sizeof(w));
+  a = (v8f)(w << 16);
+  b = (v8f)(w & 0xFFFF0000u);
+}
+
+ALWAYS_INLINE void load16(const c10::Half* p, v8f& a, v8f& b) {
+#if HAVE_FLOAT16_VECTORS
+  v8f16 h0, h1;
+  std::memcpy(&h0, p, sizeof(h0));
+  std::memcpy(&h1, p + 8, sizeof(h1));
+  a = __builtin_convertvector(h0, v8f);
+  b = __builtin_convertvector(h1, v8f);
+#else
+  for (int i = 0; i < 8; ++i) a[i] = static_cast<float>(p[i]), b[i] = static_cast<float>(p[i + 8]);
+#endif
+}
+
+template <typename T>
+inline int lane_pos(int d) {  // where element d of a row sits in scratch
+  if (!std::is_same<T, c10::BFloat16>::value) return d;
+  return (d & ~15) + (d & 1) * 8 + ((d & 15) >> 1);
+}
+
+ALWAYS_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+ALWAYS_INLINE v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+
+ALWAYS_INLINE float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+ALWAYS_INLINE float hsum(v8f v) {
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+ALWAYS_INLINE v8f hadd(v8f a, v8f b) {  // lanes: a01 a23 b01 b23 | a45 a67 b45 b67
+  return SHUFFLE(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         SHUFFLE(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// Lane i of the result is the horizontal sum of a[i]: 8 dot products finished at once.
+ALWAYS_INLINE v8f reduce8(const v8f* a) {
+  v8f u0 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));
+  v8f u1 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return SHUFFLE(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         SHUFFLE(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// exp(x) = 2^n * p(r), n = round(x log2 e), |r| <= ln2 / 2; degree-6 Taylor (rel. err ~2e-7).
+// x <= -88 (masked scores are -inf) gives exactly 0.
+ALWAYS_INLINE v8f exp8(v8f x) {
+  x = vmax(x, splat(-88.0f));
+  x = x < splat(88.0f) ? x : splat(88.0f);
+  v8f n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  v8f r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  v8f p = splat(1.0f / 720);
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  e = e > 0 ? e : v8i{};
+  return p * (v8f)e;
+}
+
+// A row in scratch (lane order), times scale.
+template <typename T>
+inline void to_scratch(const T* src, float* dst, int n, float scale) {
+  for (int i = 0; i < n; i += 16) {
+    v8f a, b;
+    load16(src + i, a, b);
+    store8(dst + i, a * scale);
+    store8(dst + i + 8, b * scale);
+  }
+}
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;                      // [heads, total_q] or null
+  int64_t q_tok, q_head;           // strides in elements
+  int64_t o_tok, o_head;
+  int64_t k_blk, k_slot, k_head;   // paged: block / slot / head strides; varlen: slot = token
+  int64_t v_blk, v_slot, v_head;
+  int64_t lse_head;
+  const int32_t* cu_q;             // [B + 1]
+  const int32_t* seq_lens_k;       // [B]
+  const int32_t* cu_k;             // [B + 1] when K/V are varlen-contiguous, else null
+  const int32_t* table;            // [B, table_stride] when paged, else null
+  int64_t table_stride;
+  int block_size;
+  int heads, kv_heads, dim;
+  float scale;
+  int window_left, window_right;   // -1: unbounded (causal is window_right == 0)
+  int block_m, block_n;
+  int kv_per_item;                 // kv heads handled by one work item (divides kv_heads)
+};
+
+struct Item {
+  int seq, tile, kv0;
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> q, o, m, l;       // per kv head of the item: [rows][dim], [rows]
+  std::vector<float> s, alpha;         // one head's scores / probabilities [rows][n_pad]
+  std::vector<float> kf, vf;           // fp32 copy of one head's key tile [n_pad][dim]
+  std::vector<int64_t> koff, voff;     // element offsets of the tile's keys (kv head 0)
+  std::vector<const void*> krow, vrow;  // the tile's rows for the current head
+  std::vector<int64_t> pos;            // query position of each row
+};
+
+template <typename F>
+inline void row_blocks(int rows, F&& f) {  // f(first_row, integral_constant<int, R>), R <= 4
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) f(r, std::integral_constant<int, 4>{});
+  switch (rows - r) {
+    case 3: f(r, std::integral_constant<int, 3>{}); break;
+    case 2: f(r, std::integral_constant<int, 2>{}); break;
+    case 1: f(r, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// s[r][c] = <q[r], k[c]> for R rows and 2 keys; 2R partial vectors reduced together.
+template <int R, typename T>
+inline void qk_block(const float* q, int dim, const T* k0, const T* k1, float* s, int s_stride) {
+  v8f acc[8] = {};
+  for (int d = 0; d < dim; d += 16) {
+    v8f a0, a1, b0, b1;
+    load16(k0 + d, a0, a1);
+    load16(k1 + d, b0, b1);
+    for (int r = 0; r < R; ++r) {
+      v8f x0 = load8(q + r * dim + d), x1 = load8(q + r * dim + d + 8);
+      acc[2 * r] += x0 * a0;  // two separate fused multiply-adds each
+      acc[2 * r] += x1 * a1;
+      acc[2 * r + 1] += x0 * b0;
+      acc[2 * r + 1] += x1 * b1;
+    }
+  }
+  v8f sums = reduce8(acc);
+  for (int r = 0; r < R; ++r) {
+    s[r * s_stride] = sums[2 * r];
+    s[r * s_stride + 1] = sums[2 * r + 1];
+  }
+}
+
+// o[r][:] = o[r][:] * alpha[r] + sum_j p[r][j] v[j][:] for R rows.
+template <int R, typename T>
+inline void pv_block(const float* p, int p_stride, const T* const* vrow, int n, const float* alpha,
+                     float* o, int dim) {
+  for (int d = 0; d < dim; d += 16) {
+    v8f acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = load8(o + r * dim + d) * alpha[r];
+      acc[r][1] = load8(o + r * dim + d + 8) * alpha[r];
+    }
+    for (int j = 0; j < n; ++j) {
+      v8f a, b;
+      load16(vrow[j] + d, a, b);
+      for (int r = 0; r < R; ++r) {
+        v8f w = splat(p[r * p_stride + j]);
+        acc[r][0] += w * a;
+        acc[r][1] += w * b;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store8(o + r * dim + d, acc[r][0]);
+      store8(o + r * dim + d + 8, acc[r][1]);
+    }
+  }
+}
+
+// Element offsets of keys [j0, j0 + n) of sequence b (kv head 0); up to n_pad the last repeats.
+void key_offsets(const Problem& p, int b, int64_t j0, int n, int n_pad, int64_t* koff,
+                 int64_t* voff) {
+  if (p.table == nullptr) {
+    for (int c = 0; c < n_pad; ++c) {
+      const int64_t tok = p.cu_k[b] + j0 + std::min(c, n - 1);
+      koff[c] = tok * p.k_slot;
+      voff[c] = tok * p.v_slot;
+    }
+    return;
+  }
+  const int32_t* table = p.table + b * p.table_stride;
+  int64_t block = j0 / p.block_size, slot = j0 % p.block_size;
+  for (int c = 0; c < n; ++c) {
+    koff[c] = table[block] * p.k_blk + slot * p.k_slot;
+    voff[c] = table[block] * p.v_blk + slot * p.v_slot;
+    if (++slot == p.block_size) slot = 0, ++block;
+  }
+  for (int c = n; c < n_pad; ++c) koff[c] = koff[n - 1], voff[c] = voff[n - 1];
+}
+
+// Software pipelining: the next tile's rows are requested while this one computes (paged
+// blocks sit at random addresses, which the hardware prefetcher cannot guess).
+template <typename T>
+void prefetch_rows(const T* base, const int64_t* off, int n, int64_t bytes) {
+  for (int c = 0; c < n; ++c) {
+    const char* row = reinterpret_cast<const char*>(base + off[c]);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i);
+  }
+}
+
+// Online-softmax update of rows [0, rows) with the scores of one key tile (n valid keys).
+// Turns the scores into probabilities and writes each row's rescale factor into alpha.
+void softmax_update(float* scores, int rows, int n, int n_pad, float* m, float* l, float* alpha) {
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + (int64_t)r * n_pad;
+    for (int c = n; c < n_pad; ++c) s[c] = kNegInf;
+    v8f mx = splat(kNegInf);
+    for (int c = 0; c < n_pad; c += 8) mx = vmax(mx, load8(s + c));
+    const float m_new = std::max(m[r], hmax(mx));
+    if (m_new == kNegInf) {  // nothing visible yet in this row
+      std::fill(s, s + n_pad, 0.0f);
+      alpha[r] = 1.0f;
+      continue;
+    }
+    v8f sum = {};
+    for (int c = 0; c < n_pad; c += 8) {
+      v8f e = exp8(load8(s + c) - m_new);
+      store8(s + c, e);
+      sum += e;
+    }
+    alpha[r] = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+    l[r] = l[r] * alpha[r] + hsum(sum);
+    m[r] = m_new;
+  }
+}
+
+// Causal / window edges: -inf for the keys of tile [j0, j0 + n) that a row may not see.
+void mask_tile(const Problem& p, const int64_t* pos, int rows, int64_t j0, int n, int n_pad,
+               float* scores) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t first = p.window_left >= 0 ? pos[r] - p.window_left : INT64_MIN;
+    const int64_t last = p.window_right >= 0 ? pos[r] + p.window_right : INT64_MAX;
+    if (j0 >= first && j0 + n - 1 <= last) continue;
+    float* s = scores + (int64_t)r * n_pad;
+    for (int c = 0; c < n; ++c)
+      if (j0 + c < first || j0 + c > last) s[c] = kNegInf;
+  }
+}
+
+// One kv head's update with one key tile: scores, mask, online softmax, P @ V.
+template <typename T, typename KV>
+void tile_step(const Problem& p, Scratch& w, int rows, int64_t j0, int n, int n_pad, float* q,
+               float* o, float* m, float* l) {
+  const int D = p.dim;
+  const KV* const* krow = reinterpret_cast<const KV* const*>(w.krow.data());
+  const KV* const* vrow = reinterpret_cast<const KV* const*>(w.vrow.data());
+  float* s = w.s.data();
+  row_blocks(rows, [&](int r, auto R) {
+    for (int c = 0; c < n_pad; c += 2)
+      qk_block<decltype(R)::value>(q + (int64_t)r * D, D, krow[c], krow[c + 1], s + r * n_pad + c,
+                                   n_pad);
+  });
+  mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
+  softmax_update(s, rows, n, n_pad, m, l, w.alpha.data());
+  row_blocks(rows, [&](int r, auto R) {
+    pv_block<decltype(R)::value>(s + r * n_pad, n_pad, vrow, n, w.alpha.data() + r,
+                                 o + (int64_t)r * D, D);
+  });
+}
+
+// Rows of the tile in fp32, pre-scaled: row r is token t0 + r / G, query head kv * G + r % G.
+template <typename T>
+void load_queries(const Problem& p, int q_start, int t0, int rows, int kv, float* dst) {
+  const int G = p.heads / p.kv_heads;
+  const T* q = static_cast<const T*>(p.q);
+  for (int r = 0; r < rows; ++r) {
+    const int t = t0 + r / G, h = kv * G + r % G;
+    to_scratch(q + (q_start + t) * p.q_tok + h * p.q_head, dst + (int64_t)r * p.dim, p.dim, p.scale);
+  }
+}
+
+template <typename T>
+void store_rows(const Problem& p, int q_start, int t0, int rows, int kv, const float* o,
+                const float* m, const float* l) {
+  const int G = p.heads / p.kv_heads;
+  T* out = static_cast<T*>(p.out);
+  for (int r = 0; r < rows; ++r) {
+    const int t = t0 + r / G, h = kv * G + r % G;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    T* dst = out + (q_start + t) * p.o_tok + h * p.o_head;
+    const float* src = o + (int64_t)r * p.dim;
+    for (int d = 0; d < p.dim; ++d) dst[d] = static_cast<T>(src[lane_pos<T>(d)] * inv);
+    if (p.lse != nullptr)  // flash-attn reports +inf for a row that sees no key
+      p.lse[h * p.lse_head + q_start + t] =
+          l[r] > 0.0f ? m[r] + std::log(l[r]) : std::numeric_limits<float>::infinity();
+  }
+}
+
+template <typename T>
+void attend(const Problem& p, const Item& item, Scratch& w) {
+  const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
+  const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
+  const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
+  const int rows = (t1 - t0) * G, n_pad = (p.block_n + 7) / 8 * 8;
+  // Large tiles convert each K/V tile to fp32 once instead of once per 4 rows.
+  const bool convert = !std::is_same<T, float>::value && rows > 8;
+  w.q.resize((size_t)H * rows * D);
+  w.o.assign((size_t)H * rows * D, 0.0f);
+  w.m.assign((size_t)H * rows, kNegInf);
+  w.l.assign((size_t)H * rows, 0.0f);
+  w.s.resize((size_t)rows * n_pad);
+  w.alpha.resize(rows);
+  w.pos.resize(rows);
+  w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad), w.krow.resize(n_pad), w.vrow.resize(n_pad);
+  if (convert) w.kf.resize((size_t)n_pad * D), w.vf.resize((size_t)n_pad * D);
+  for (int h = 0; h < H; ++h)
+    load_queries<T>(p, q_start, t0, rows, item.kv0 + h, w.q.data() + (int64_t)h * rows * D);
+  // Queries are aligned to the end of the keys (flash-attn's bottom-right causal convention).
+  for (int r = 0; r < rows; ++r) w.pos[r] = t0 + r / G + (int64_t)len_k - len_q;
+  int64_t lo = 0, hi = len_k;
+  if (p.window_left >= 0) lo = std::max<int64_t>(0, w.pos[0] - p.window_left);
+  if (p.window_right >= 0) hi = std::min<int64_t>(len_k, w.pos[rows - 1] + p.window_right + 1);
+  const T* kbase = static_cast<const T*>(p.k);
+  const T* vbase = static_cast<const T*>(p.v);
+  // Two offset buffers: the current tile's and the next one's (being prefetched).
+  int64_t *koff = w.koff.data(), *voff = w.voff.data();
+  int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
+  const int64_t row_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
+  if (lo < hi) key_offsets(p, b, lo, (int)std::min<int64_t>(p.block_n, hi - lo), n_pad, koff, voff);
+  for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
+    const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
+    if (j0 + n < hi) {
+      const int n_next = (int)std::min<int64_t>(p.block_n, hi - j0 - n);
+      key_offsets(p, b, j0 + n, n_next, n_pad, koff_next, voff_next);
+      prefetch_rows(kbase + item.kv0 * p.k_head, koff_next, n_next, row_bytes);
+      prefetch_rows(vbase + item.kv0 * p.v_head, voff_next, n_next, row_bytes);
+    }
+    for (int h = 0; h < H; ++h) {
+      const int kv = item.kv0 + h;
+      for (int c = 0; c < n_pad; ++c) {
+        const T* krow = kbase + koff[c] + kv * p.k_head;
+        const T* vrow = vbase + voff[c] + kv * p.v_head;
+        if (convert) {
+          to_scratch(krow, w.kf.data() + (int64_t)c * D, D, 1.0f);
+          to_scratch(vrow, w.vf.data() + (int64_t)c * D, D, 1.0f);
+          w.krow[c] = w.kf.data() + (int64_t)c * D;
+          w.vrow[c] = w.vf.data() + (int64_t)c * D;
+        } else {
+          w.krow[c] = krow;
+          w.vrow[c] = vrow;
+        }
+      }
+      const int64_t off = (int64_t)h * rows;
+      float* q = w.q.data() + off * D;
+      float* o = w.o.data() + off * D;
+      if (convert)
+        tile_step<T, float>(p, w, rows, j0, n, n_pad, q, o, w.m.data() + off, w.l.data() + off);
+      else
+        tile_step<T, T>(p, w, rows, j0, n, n_pad, q, o, w.m.data() + off, w.l.data() + off);
+    }
+    std::swap(koff, koff_next);
+    std::swap(voff, voff_next);
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t off = (int64_t)h * rows;
+    store_rows<T>(p, q_start, t0, rows, item.kv0 + h, w.o.data() + off * D, w.m.data() + off,
+                  w.l.data() + off);
+  }
+}
+
+// Items sorted by cost, heaviest first, handed out through an atomic counter: causal tiles and
+// ragged sequences differ in cost by orders of magnitude, so a static split would idle threads.
+template <typename T>
+void run(const Problem& p, const std::vector<Item>& items) {
+  const int64_t total = (int64_t)items.size();
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    for (int64_t i = next++; i < total; i = next++) attend<T>(p, items[i], w);
+  });
+}
+
+// Work items: (sequence, query tile, group of kv heads). Whole-head groups read each cached
+// slot's K/V (all heads adjacent) in one pass; one head per item when items would be too few
+// to keep every thread busy.
+std::vector<Item> make_items(Problem& p, int64_t batch) {
+  int64_t tiles = 0;
+  for (int b = 0; b < batch; ++b) tiles += (p.cu_q[b + 1] - p.cu_q[b] + p.block_m - 1) / p.block_m;
+  p.kv_per_item = tiles >= 4 * at::get_num_threads() ? p.kv_heads : 1;
+  std::vector<Item> items;
+  for (int b = 0; b < batch; ++b) {
+    const int len_q = p.cu_q[b + 1] - p.cu_q[b];
+    for (int t = 0; t * p.block_m < len_q; ++t) {
+      const int64_t rows = std::min(p.block_m, len_q - t * p.block_m);
+      for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item)
+        items.push_back({b, t, kv, rows * p.seq_lens_k[b]});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& out, const at::Tensor& cu_seqlens_q,
+                      const at::Tensor& seq_lens_k, const c10::optional<at::Tensor>& cu_seqlens_k,
+                      const c10::optional<at::Tensor>& block_table,
+                      const c10::optional<at::Tensor>& lse, double scale, int64_t window_left,
+                      int64_t window_right, int64_t block_m, int64_t block_n) {
+  const bool paged = block_table.has_value();
+  TORCH_CHECK(paged || cu_seqlens_k.has_value(), "need cu_seqlens_k or block_table");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k.dim() == (paged ? 4 : 3) && v.dim() == k.dim(),
+              "bad q/k/v ranks");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "q, k, v and out must share a dtype");
+  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1 && out.stride(-1) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens_k.scalar_type() == at::kInt &&
+                  cu_seqlens_q.is_contiguous() && seq_lens_k.is_contiguous(),
+              "sequence lengths must be contiguous int32");
+  Problem p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.heads = (int)q.size(1);
+  p.dim = (int)q.size(2);
+  p.kv_heads = (int)k.size(-2);
+  TORCH_CHECK(p.dim % 16 == 0 && k.size(-1) == p.dim && v.size(-1) == p.dim,
+              "head_dim must be a multiple of 16 and equal for q, k, v");
+  TORCH_CHECK(p.heads % p.kv_heads == 0, "heads must be a multiple of kv heads");
+  p.q_tok = q.stride(0);
+  p.q_head = q.stride(1);
+  p.o_tok = out.stride(0);
+  p.o_head = out.stride(1);
+  p.k_blk = paged ? k.stride(0) : 0;
+  p.v_blk = paged ? v.stride(0) : 0;
+  p.k_slot = k.stride(paged ? 1 : 0);
+  p.v_slot = v.stride(paged ? 1 : 0);
+  p.k_head = k.stride(-2);
+  p.v_head = v.stride(-2);
+  p.cu_q = cu_seqlens_q.data_ptr<int32_t>();
+  p.seq_lens_k = seq_lens_k.data_ptr<int32_t>();
+  if (paged) {
+    TORCH_CHECK(block_table->scalar_type() == at::kInt && block_table->stride(1) == 1,
+                "block_table must be int32 with contiguous rows");
+    p.table = block_table->data_ptr<int32_t>();
+    p.table_stride = block_table->stride(0);
+    p.block_size = (int)k.size(1);
+  } else {
+    TORCH_CHECK(cu_seqlens_k->scalar_type() == at::kInt && cu_seqlens_k->is_contiguous(),
+                "cu_seqlens_k must be contiguous int32");
+    p.cu_k = cu_seqlens_k->data_ptr<int32_t>();
+  }
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->stride(1) == 1, "lse must be fp32");
+    p.lse = lse->data_ptr<float>();
+    p.lse_head = lse->stride(0);
+  }
+  p.scale = (float)scale;
+  p.window_left = (int)window_left;
+  p.window_right = (int)window_right;
+  p.block_n = (int)std::max<int64_t>(2, block_n);
+  p.block_m = (int)std::max<int64_t>(1, block_m);
+  const std::vector<Item> items = make_items(p, seq_lens_k.size(0));
+  switch (q.scalar_type()) {
+    case at::kFloat: return run<float>(p, items);
+    case at::kBFloat16: return run<c10::BFloat16>(p, items);
+    case at::kHalf: return run<c10::Half>(p, items);
+    default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_attention, m) {
+  m.def(
+      "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor cu_seqlens_q, "
+      "Tensor seq_lens_k, Tensor? cu_seqlens_k, Tensor? block_table, Tensor(b!)? lse, "
+      "float scale, int window_left, int window_right, int block_m, int block_n) -> ()",
+      &varlen_attention);
+}

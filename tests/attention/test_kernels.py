@@ -1,0 +1,101 @@
+"""Every CPU implementation against the plain reference over random varlen / paged batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+
+from pagedllm.attention import cpu_kernels
+from pagedllm.attention.api import attention_varlen
+from pagedllm.attention.metadata import VarlenBatch
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module", params=["cpu", "torch"])
+def impl(request) -> str:
+    if request.param == "cpu" and not cpu_kernels.load():
+        pytest.skip("no C++ toolchain")
+    return request.param
+
+
+def run_case(impl: str, case, seed: int, block_size: int | None):
+    q, k, v = make_tensors(case, seed)
+    batch = VarlenBatch(
+        cu_seqlens_q=cu_seqlens(case.q_lens),
+        seq_lens_k=torch.tensor(case.k_lens, dtype=torch.int32),
+        cu_seqlens_k=cu_seqlens(case.k_lens),
+        block_table=None,
+        max_seqlen_q=max(case.q_lens),
+        max_seqlen_k=max(case.k_lens),
+    )
+    key, value = torch.cat(k), torch.cat(v)
+    if block_size is not None:
+        key, batch.block_table = paginate(k, block_size, seed)
+        value, _ = paginate(v, block_size, seed)  # same seed: same block ids
+        batch.cu_seqlens_k = None
+    scale = case.head_dim**-0.5
+    window = (case.window[0], 0 if case.causal else case.window[1])
+    out, lse = attention_varlen(
+        torch.cat(q), key, value, batch, scale, window, return_lse=True, impl=impl
+    )
+    want, want_lse = reference(q, k, v, scale, case.causal, case.window)
+    return out, lse, want, want_lse
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_varlen_matches_reference(impl, seed):
+    case = random_case(random.Random(seed), DTYPES, (16, 32, 64))
+    out, lse, want, want_lse = run_case(impl, case, seed, block_size=None)
+    assert out.dtype == case.dtype
+    torch.testing.assert_close(out.float(), want, atol=TOL[case.dtype], rtol=TOL[case.dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_matches_reference(impl, seed, block_size):
+    case = random_case(random.Random(100 + seed), DTYPES, (16, 64, 128))
+    out, lse, want, _ = run_case(impl, case, seed, block_size)
+    torch.testing.assert_close(out.float(), want, atol=TOL[case.dtype], rtol=TOL[case.dtype])
+
+
+def test_long_sequences_cross_many_tiles(impl):
+    """Several query and key tiles per sequence, a window, GQA, bf16 (tiles of the CPU rule)."""
+    rng = random.Random(7)
+    case = random_case(rng, (torch.bfloat16,), (64,), max_len=40)
+    case.q_lens, case.k_lens = [300, 1, 77], [300, 400, 200]
+    case.heads, case.kv_heads, case.causal, case.window = 8, 2, True, (150, -1)
+    out, _, want, _ = run_case(impl, case, 3, block_size=16)
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_rows_that_see_no_key_are_zero(impl):
+    """More queries than keys, causal: the first rows see nothing (flash-attn: out 0, lse inf)."""
+    rng = random.Random(0)
+    case = random_case(rng, (torch.float32,), (16,))
+    case.q_lens, case.k_lens, case.causal, case.window = [6], [3], True, (-1, -1)
+    out, lse, want, _ = run_case(impl, case, 0, block_size=None)
+    assert torch.all(out[:3] == 0) and torch.isinf(lse[:, :3]).all()
+    torch.testing.assert_close(out, want)
+
+
+def test_threads_split_work_without_changing_results(impl):
+    """Items handed out through the shared counter: 2 threads give the 1-thread result."""
+    if impl != "cpu":
+        pytest.skip("the C++ kernel's own threading")
+    case = random_case(random.Random(5), (torch.bfloat16,), (64,))
+    case.q_lens, case.k_lens, case.heads, case.kv_heads = [1] * 9 + [40], [50] * 9 + [60], 4, 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_case(impl, case, 1, block_size=4)[0]
+        torch.set_num_threads(2)
+        two = run_case(impl, case, 1, block_size=4)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

@@ -1,0 +1,130 @@
+"""The Triton kernel in Triton's CPU interpreter (TRITON_INTERPRET=1) on small shapes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+from attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+
+from pagedllm.attention.metadata import VarlenBatch
+from pagedllm.attention.tuning import get_tuning
+
+
+@contextlib.contextmanager
+def interpreting():
+    """TRITON_INTERPRET=1: read when Triton decorates a function and when it launches one."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+if "triton" in sys.modules:  # its own jit functions are compiled ones: cannot interpret
+    pytest.skip("triton was imported before this module", allow_module_level=True)
+with interpreting():
+    pytest.importorskip("triton")
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+MODULES = ("pagedllm.attention.triton_kernels", "pagedllm.attention.triton_backend")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    for name in MODULES:
+        sys.modules.pop(name, None)
+    with interpreting():  # while the module's tests run too: launches read the variable
+        yield importlib.import_module(MODULES[0])
+    for name in MODULES:
+        sys.modules.pop(name, None)
+
+
+def run(kernels, case, seed: int, block_size: int | None, units: int = 1, **tiles: int):
+    q, k, v = make_tensors(case, seed)
+    batch = VarlenBatch(
+        cu_seqlens(case.q_lens),
+        torch.tensor(case.k_lens, dtype=torch.int32),
+        cu_seqlens(case.k_lens),
+        None,
+        max(case.q_lens),
+        max(case.k_lens),
+    )
+    key, value = torch.cat(k), torch.cat(v)
+    if block_size is not None:
+        key, batch.block_table = paginate(k, block_size, seed)
+        value, _ = paginate(v, block_size, seed)
+        batch.cu_seqlens_k = None
+    tuning = get_tuning("cpu", case.head_dim, 1, case.dtype, **tiles)
+    tuning = dataclasses.replace(tuning, caches=dataclasses.replace(tuning.caches, num_units=units))
+    scale = case.head_dim**-0.5
+    window = (case.window[0], 0 if case.causal else case.window[1])
+    out, lse = kernels.varlen_attention(
+        torch.cat(q), key, value, batch, scale, *window, return_lse=True, tuning=tuning
+    )
+    want, want_lse = reference(q, k, v, scale, case.causal, case.window)
+    torch.testing.assert_close(out.float(), want, atol=TOL[case.dtype], rtol=TOL[case.dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+TILES = dict(block_m=16, block_n=16, num_stages=2, split_keys=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_varlen(kernels, seed):
+    case = random_case(random.Random(seed), (torch.float32, torch.bfloat16), (16, 24), 24)
+    run(kernels, case, seed, None, **TILES)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paged(kernels, seed):
+    case = random_case(random.Random(50 + seed), (torch.float32, torch.float16), (16, 32), 24)
+    run(kernels, case, seed, block_size=random.Random(seed).choice([1, 4, 16]), **TILES)
+
+
+def test_split_k_decode(kernels, monkeypatch):
+    """Long decode contexts split into key chunks whose partial results are merged."""
+    merges = []
+    merge = kernels._merge_splits
+    monkeypatch.setattr(
+        kernels, "_merge_splits", lambda o, lse: merges.append(o.shape[0]) or merge(o, lse)
+    )
+    case = random_case(random.Random(9), (torch.float32,), (16,))
+    case.q_lens, case.k_lens, case.heads, case.kv_heads = [1, 1], [70, 37], 4, 2
+    case.causal, case.window = True, (-1, -1)
+    # 4 programs (2 sequences x 2 KV heads) on a device of 64 units: split into 16-key chunks.
+    run(kernels, case, 2, 4, units=64, **{**TILES, "split_keys": 16})
+    case.window = (20, -1)  # a window: early splits see nothing for some rows
+    run(kernels, case, 2, 4, units=64, **{**TILES, "split_keys": 16})
+    assert merges == [5, 5]  # ceil(70 / 16) chunks
+
+
+def test_engine_greedy_matches_hf_with_triton_backend(kernels, model_factory):
+    """The whole engine on the "triton" backend (interpreted): same tokens as transformers."""
+    from test_engine_parity import hf_greedy
+
+    from pagedllm import LLM, SamplingParams
+
+    model_dir = model_factory("mistral")  # sliding window 24
+    prompts = [list(range(3, 33)), list(range(40, 45))]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        attention_backend="triton",
+        block_size=4,
+        kv_cache_memory_bytes=1 << 20,
+        max_num_batched_tokens=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(model_dir, prompts, 4)

@@ -1,0 +1,98 @@
+"""Cache-size-driven tiles, their overrides, and how a backend is chosen."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm.attention import get_tuning, tuning
+from pagedllm.attention.backend import available_backends, default_backend_name
+
+
+def test_cpu_caches_come_from_the_os():
+    caches = tuning.cpu_caches()
+    sysfs = "/sys/devices/system/cpu/cpu0/cache/index0/size"
+    try:
+        with open(sysfs) as f:
+            first = tuning._parse_size(f.read())
+    except OSError:
+        pytest.skip("no sysfs cache information")
+    assert caches.l1_bytes == first and caches.l2_bytes >= caches.l1_bytes
+
+
+def test_rule_follows_cache_sizes():
+    small = tuning.CacheInfo(l1_bytes=16 << 10, l2_bytes=256 << 10, shared_mem_bytes=0, num_units=1)
+    big = tuning.CacheInfo(l1_bytes=64 << 10, l2_bytes=2 << 20, shared_mem_bytes=0, num_units=1)
+    # K+V fp32 tile <= L1: 16 KiB / (2 * 64 * 4) = 32 keys; Q+O rows <= L2/4: 64 KiB / 2 KiB.
+    assert tuning.cpu_rule(small, 64, 4) == dict(block_m=32, block_n=32, num_stages=2, split_keys=0)
+    assert tuning.cpu_rule(big, 64, 4)["block_n"] == 128
+    hopper = tuning.CacheInfo(0, 50 << 20, 227 << 10, 132)
+    ampere_small = tuning.CacheInfo(0, 4 << 20, 99 << 10, 46)
+    h = tuning.cuda_rule(hopper, 128, 2)
+    # (227 KiB - 32 KiB query tile) / 32 KiB per K+V stage = 6, capped at 4; 50 MiB / 132 SMs.
+    assert h["block_m"] == 128 and h["num_stages"] == 4 and h["split_keys"] == 512
+    a = tuning.cuda_rule(ampere_small, 128, 2)
+    assert a["block_m"] == 64 and a["num_stages"] == 2 and a["split_keys"] == 256
+
+
+def test_overrides_by_env_and_argument(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", "block_m=8,block_n=48")
+    t = get_tuning("cpu", 64, 2, torch.float32)
+    assert (t.block_m, t.block_n, t.source) == (8, 48, "env")
+    t = get_tuning("cpu", 64, 2, torch.float32, num_stages=1)
+    assert (t.block_m, t.num_stages, t.source) == (8, 1, "arg")
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", "block_q=8")
+    with pytest.raises(ValueError, match="bad entry"):
+        get_tuning("cpu", 64, 2, torch.float32)
+
+
+def test_choice_is_logged_once(caplog):
+    tuning._tuning.cache_clear()
+    with caplog.at_level("INFO", logger="pagedllm.attention.tuning"):
+        for _ in range(3):
+            get_tuning("cpu", 80, 5, torch.float16)
+    lines = [r.message for r in caplog.records if "block_m=" in r.message]
+    assert len(lines) == 1 and "L1d" in lines[0]
+
+
+def test_default_backends_by_device():
+    assert {"torch", "cpu", "triton"} <= set(available_backends())
+    assert default_backend_name(torch.device("cpu")) == "cpu"
+    assert default_backend_name(torch.device("cuda")) == "triton"
+
+
+def test_cpu_install_never_imports_triton():
+    code = (
+        "import sys, torch\n"
+        "from pagedllm.attention import flash_attn_func\n"
+        "from pagedllm.attention.backend import get_attention_backend\n"
+        "for name in (None, 'cpu', 'torch'):\n"
+        "    get_attention_backend(name, torch.device('cpu'))\n"
+        "q = torch.randn(1, 3, 2, 16)\n"
+        "flash_attn_func(q, q, q, causal=True)\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_failed_build_warns_and_falls_back_to_torch(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from pagedllm.attention import cpu_backend, cpu_kernels
+    from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.warns(RuntimeWarning, match="using the torch attention path"):
+        assert cpu_kernels.load.__wrapped__() is False
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+    backend = cpu_backend.CpuAttentionBackend()
+    calls = []
+    monkeypatch.setattr(TorchAttentionBackend, "forward", lambda *args: calls.append(args))
+    backend.forward(*[None] * 8)
+    assert len(calls) == 1
