@@ -12,6 +12,29 @@ from pagedllm import envs
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
+QUANT_METHOD = "pagedllm_int8"  # quantization_config.quant_method of a saved int8 checkpoint
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """int8 quantization (pagedllm.layers.quantization): what is quantized, and how."""
+
+    quant_dtype: str = "int8"
+    observer_type: str = "minmax"  # activation scales: "minmax" (per token) | "moving_average"
+    granularity: str = "per_channel"  # weight scales: per output row | "per_tensor"
+    enable_activation: bool = True  # int8 x int8 matmuls; False: weight-only int8
+    exclude_layers: tuple[str, ...] = ()  # module names or fnmatch patterns kept as they are
+    prequantized: bool = False  # the checkpoint already holds int8 weights and their scales
+
+    def __post_init__(self) -> None:
+        choices = {
+            "quant_dtype": ("int8",),
+            "observer_type": ("minmax", "moving_average"),
+            "granularity": ("per_channel", "per_tensor"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
 
 
 @dataclass(frozen=True)
@@ -23,6 +46,8 @@ class ModelConfig:
     max_model_len: int
     seed: int
     quantization: str | None
+    layer_range: tuple[int, int] | None = None  # decoder layers of a partition tier; None: all
+    quant_config: QuantConfig | None = None  # int8 quantization; None: full precision
 
     @property
     def architecture(self) -> str:
@@ -64,6 +89,10 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     disable_comm_overlap: bool = False
+    nnodes: int = 1  # machines the tensor-parallel ranks are spread over
+    node_rank: int = 0  # this machine's index; node 0 runs the engine (rank 0)
+    master_addr: str | None = None  # rendezvous host (default: MASTER_ADDR, else 127.0.0.1)
+    master_port: int = 0  # rendezvous port (0: MASTER_PORT, else a free one on one node)
 
 
 @dataclass(frozen=True)
@@ -74,12 +103,24 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class PartitionConfig:
+    """This process's tier of an edge/cloud split (see pagedllm.partition)."""
+
+    plan: str  # path of the PartitionPlan JSON
+    role: str  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest + head)
+    cut: int  # the first layer the cloud runs
+    address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
+    wire_dtype: str  # hidden states on the wire: bfloat16 | float16 | float32 | int8
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    partition: PartitionConfig | None = None  # None: the whole model in this process
 
 
 def default_model_path() -> str:
@@ -117,6 +158,17 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     disable_comm_overlap: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 0
+    partition: str | None = None  # PartitionPlan JSON: run one tier of an edge/cloud split
+    partition_role: str = "edge"
+    partition_address: str | None = None
+    quant_exclude: list[str] | None = None  # module names / patterns left unquantized
+    quant_granularity: str = "per_channel"
+    quant_observer: str = "minmax"
+    quant_activation: bool = True
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -137,6 +189,7 @@ class EngineArgs:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        partition = self._partition_config(hf_config)
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -146,6 +199,8 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 seed=self.seed,
                 quantization=self.quantization,
+                layer_range=_tier_layers(partition, hf_config.num_hidden_layers),
+                quant_config=self._quant_config(hf_config),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -159,12 +214,48 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.disable_comm_overlap),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size,
+                self.disable_comm_overlap,
+                self.nnodes,
+                self.node_rank,
+                self.master_addr,
+                self.master_port,
+            ),
             device=DeviceConfig(
                 device,
                 self.enforce_eager,
                 self.attention_backend or envs.PAGEDLLM_ATTENTION_BACKEND(),
             ),
+            partition=partition,
+        )
+
+    def _partition_config(self, hf_config: Any) -> PartitionConfig | None:
+        if self.partition is None:
+            return None
+        from pagedllm.partition.plan import PartitionPlan
+
+        plan = PartitionPlan.load(self.partition)
+        if self.partition_role not in ("edge", "cloud"):
+            raise ValueError(
+                f"partition_role must be 'edge' or 'cloud', got {self.partition_role!r}."
+            )
+        if len(plan.cuts) != 1 or not 0 < plan.cuts[0] < hf_config.num_hidden_layers:
+            raise ValueError(
+                f"partition plan {self.partition!r} has cuts {list(plan.cuts)}; the runtime runs "
+                f"two tiers, one cut in [1, {hf_config.num_hidden_layers - 1}]."
+            )
+        if plan.num_layers != hf_config.num_hidden_layers:
+            raise ValueError(
+                f"partition plan {self.partition!r} is for {plan.num_layers} layers, the model "
+                f"has {hf_config.num_hidden_layers}."
+            )
+        return PartitionConfig(
+            self.partition,
+            self.partition_role,
+            plan.cuts[0],
+            self.partition_address,
+            plan.wire_dtype,
         )
 
     def _verify(self) -> None:
@@ -172,11 +263,12 @@ class EngineArgs:
             raise ValueError("model must be a path to a Hugging Face model folder.")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
-        positive = ("block_size", "max_num_seqs", "tensor_parallel_size")
+        positive = ("block_size", "max_num_seqs", "tensor_parallel_size", "nnodes")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        self._verify_parallel()
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -187,12 +279,50 @@ class EngineArgs:
             )
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}.")
+        self.requested_quant_config()  # validates the quant_* options
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+
+    def _verify_parallel(self) -> None:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                f"nnodes ({self.nnodes}): every node hosts the same number of ranks."
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}.")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}.")
+
+    def requested_quant_config(self) -> QuantConfig:
+        return QuantConfig(
+            observer_type=self.quant_observer,
+            granularity=self.quant_granularity,
+            enable_activation=self.quant_activation,
+            exclude_layers=tuple(self.quant_exclude or ()),
+        )
+
+    def _quant_config(self, hf_config: Any) -> QuantConfig | None:
+        """The requested int8 config; a checkpoint saved quantized fixes its weight options."""
+        saved = getattr(hf_config, "quantization_config", None)
+        if not (isinstance(saved, dict) and saved.get("quant_method") == QUANT_METHOD):
+            return self.requested_quant_config() if self.quantization else None
+        return dataclasses.replace(
+            self.requested_quant_config(),
+            granularity=saved["granularity"],
+            exclude_layers=tuple(saved["exclude_layers"]),
+            prequantized=True,
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def _tier_layers(partition: PartitionConfig | None, num_layers: int) -> tuple[int, int] | None:
+    if partition is None:
+        return None
+    return (0, partition.cut) if partition.role == "edge" else (partition.cut, num_layers)
 
 
 def load_hf_config(model: str) -> Any:
@@ -231,9 +361,26 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
         return aliases.get(dtype, dtype)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(config_dtype).replace("torch.", "") if config_dtype is not None else "float32"
-    if name == "float16" and device == "cpu":
-        return "bfloat16"  # CPU float16 matmuls are slow; bf16 keeps the range
-    return name if name in ("float32", "bfloat16", "float16") else "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        return "float32"
+    if device == "cpu" and name != "float32":
+        # Half-precision matmuls are only fast with native CPU support (AVX512-BF16 / AMX);
+        # elsewhere they run several times slower than float32, so compute in float32.
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return name
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def default_kv_cache_bytes() -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,3 +38,76 @@ class Communicator:
 
 
 SINGLE = Communicator()
+
+
+class PendingReduce(Protocol):
+    """An all-reduce in flight; ``wait()`` returns the reduced tensor once it is safe to use."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class _Done:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def wait(self) -> torch.Tensor:
+        return self.x
+
+
+class _WorkPending:
+    """A gloo all-reduce running on the process group's own threads."""
+
+    def __init__(self, work: dist.Work, x: torch.Tensor) -> None:
+        self.work, self.x = work, x
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.x
+
+
+class _StreamPending:
+    """An NCCL all-reduce queued on a side stream; waiting orders the current stream after it."""
+
+    def __init__(self, x: torch.Tensor, done: torch.cuda.Event) -> None:
+        self.x, self.done = x, done
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream(self.x.device).wait_event(self.done)  # no host sync
+        return self.x
+
+
+@dataclass
+class OverlapCommunicator(Communicator):
+    """A communicator whose all-reduce can be issued now and waited for where it is needed.
+
+    On CPU (gloo) the reduction runs on gloo's threads (``async_op``) while this thread keeps
+    computing. On CUDA (NCCL) it is queued on a side stream after an event recorded on the
+    compute stream, so the compute stream runs on until ``wait()`` orders it after the
+    reduction's own event; the host never blocks.
+    """
+
+    num_async: int = 0  # all-reduces issued through all_reduce_async (tests, statistics)
+    _side_streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict, repr=False)
+
+    def all_reduce_async(self, x: torch.Tensor) -> PendingReduce:
+        """Start summing x in place across ranks; x must not be touched until ``wait()``."""
+        if self.world_size == 1:
+            return _Done(x)
+        self.num_async += 1
+        if x.is_cuda:
+            return self._all_reduce_on_side_stream(x)
+        return _WorkPending(dist.all_reduce(x, group=self.group, async_op=True), x)
+
+    def _all_reduce_on_side_stream(self, x: torch.Tensor) -> PendingReduce:
+        side = self._side_streams.get(x.device)
+        if side is None:
+            side = self._side_streams[x.device] = torch.cuda.Stream(x.device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(x.device))  # x's producer has been queued
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            dist.all_reduce(x, group=self.group)
+            done = torch.cuda.Event()
+            done.record(side)
+        x.record_stream(side)  # the allocator must not hand x's memory out before `done`
+        return _StreamPending(x, done)

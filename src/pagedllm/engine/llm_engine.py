@@ -21,14 +21,23 @@ from pagedllm.engine.stats import (
     SchedulerStats,
     StatLogger,
 )
-from pagedllm.engine.tokenizer import load_tokenizer, stop_token_ids_from_generation_config
+from pagedllm.engine.tokenizer import (
+    encode_text,
+    load_tokenizer,
+    stop_token_ids_from_generation_config,
+)
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.executor import create_executor
+from pagedllm.worker.executor import ExecutorLostError, create_executor
 from pagedllm.worker.model_runner import ModelOutput
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+# Most samples one request may ask for (OpenAI's limit): n sequences are created at once.
+MAX_N = 128
+# Seeds seed .. seed + n - 1 go to torch.Generator.manual_seed, which takes 64-bit values.
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class LLMEngine:
@@ -83,6 +92,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams.")
+        self._check_params(params)
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         arrival = arrival_time if arrival_time is not None else time.time()
@@ -101,10 +111,22 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt must be token ids when the tokenizer is skipped.")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}.")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Limits that depend on the engine: a bad value here would fail a whole model step."""
+        if params.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {params.n}.")
+        lo, hi = SEED_RANGE
+        if params.seed is not None and not lo <= params.seed <= hi - (params.n - 1):
+            raise ValueError(f"seed must be a 64-bit integer (n={params.n}), got {params.seed}.")
+        vocab = self.config.model.hf_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -178,7 +200,14 @@ class LLMEngine:
                 0,
                 min(item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens),
             )
-        model_out = self.executor.execute_model(sched_out)
+        try:
+            model_out = self.executor.execute_model(sched_out)
+        except ExecutorLostError as e:
+            return self._fail_running(str(e), iteration)
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+            logger.exception("model step failed; failing the requests in it")
+            failed = {item.seq.request_id for item in sched_out.scheduled}
+            return self._fail_requests(failed, f"model step failed: {e}", iteration)
         updated = self.scheduler.update(sched_out, model_out.sampled)
         outputs = self._process(sched_out, model_out, updated, iteration)
         self._record(iteration)
@@ -255,6 +284,31 @@ class LLMEngine:
         if seq.is_finished:
             t.finished = now
             self.executor.release([seq.seq_id])
+
+    def _fail_running(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
+        """The executor lost the KV state of every running sequence: end their requests with
+        finish_reason "error", free their blocks and forget the prefix cache built on them."""
+        logger.error("model execution lost its state: %s", message)
+        outputs = self._fail_requests({s.request_id for s in self.scheduler.running}, message,
+                                      iteration)
+        self.block_manager.reset_prefix_cache()  # nothing holds blocks now
+        return outputs
+
+    def _fail_requests(self, request_ids: set[str], message: str,
+                       iteration: IterationStats) -> list[RequestOutput]:
+        """End these requests with finish_reason "error" and free their blocks."""
+        now = time.time()
+        results = []
+        for request_id in request_ids:
+            state = self.requests[request_id]
+            state.error = message
+            for s in state.seqs:
+                self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ERROR)
+            self.executor.release([s.seq.seq_id for s in state.seqs])
+            results.append(state.to_output())
+            self._on_finished(state, now, iteration)
+        self._record(iteration)
+        return results
 
     def _on_finished(self, state: RequestState, now: float, iteration: IterationStats) -> None:
         del self.requests[state.request_id]

@@ -19,6 +19,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pagedllm.entrypoints.cli", "generate text for one or more prompts"),
     "chat": ("pagedllm.entrypoints.cli", "chat with a model in the terminal"),
     "serve": ("pagedllm.entrypoints.openai.cli_args", "run the OpenAI-compatible HTTP server"),
+    "partition": ("pagedllm.entrypoints.partition_cli", "plan where to cut a model across tiers"),
+    "profile-device": ("pagedllm.entrypoints.partition_cli", "measure this machine as a tier"),
+    "split-worker": ("pagedllm.entrypoints.partition_cli", "run the cloud tier of a plan"),
+    "quantize": ("pagedllm.entrypoints.quantize_cli", "write an int8 copy of a model folder"),
+    "quantize-eval": ("pagedllm.entrypoints.quantize_cli", "compare int8 with full precision"),
 }
 
 _ENGINE_FLAG_HELP = {
@@ -41,6 +46,19 @@ _ENGINE_FLAG_HELP = {
     "device": "auto | cpu | cuda",
     "attention_backend": "torch | cpu | triton (default: chosen for the device)",
     "disable_comm_overlap": "do not overlap tensor-parallel all-reduce with compute",
+    "nnodes": "machines the tensor-parallel ranks span (each runs this command)",
+    "node_rank": "this machine's index among --nnodes; node 0 runs the engine",
+    "master_addr": "rendezvous host, node 0's address (default: MASTER_ADDR or 127.0.0.1)",
+    "master_port": "rendezvous port (default: MASTER_PORT, else a free port on one node)",
+    "partition": "partition plan JSON (pagedllm partition -o): run one tier of a split",
+    "partition_role": "edge (the engine, embedding and layers [0, cut)) | cloud (the rest)",
+    "partition_address": "edge: the cloud worker's HOST:PORT; cloud: HOST:PORT to listen on",
+    "quant_exclude": "int8: module name or pattern kept in full precision, e.g. lm_head, "
+    "'*.self_attn.*' (repeatable)",
+    "quant_granularity": "int8 weight scales: per_channel | per_tensor",
+    "quant_observer": "int8 activation scales: minmax (per token) | moving_average",
+    "quant_activation": "int8: quantize activations too (int8 x int8 matmuls); "
+    "--no-quant-activation: weight-only",
 }
 
 
@@ -58,6 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
+            continue
+        if str(f.type).startswith("list["):  # a repeatable flag
+            group.add_argument(flag, action="append", default=None, help=help_text)
             continue
         kind = {int: int, float: float}.get(type(default), None)
         if f.name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):

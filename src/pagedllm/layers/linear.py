@@ -163,8 +163,12 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.comm.rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False returns this rank's partial sums for the caller to all-reduce (overlap);
+        rank 0's carry the bias so that the sum adds it once."""
         if self.comm.world_size == 1:
             return self.matmul(x, self.bias)
+        if not reduce:
+            return self.matmul(x, self.bias if self.comm.rank == 0 else None)
         y = self.comm.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias

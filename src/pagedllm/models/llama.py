@@ -11,13 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.distributed.communicator import SINGLE, Communicator
+from pagedllm.distributed.communicator import SINGLE, Communicator, OverlapCommunicator
+from pagedllm.distributed.overlap import MicroBatch, Stage, interleave
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.models.loader import MissingLayer
 
 
 def _window_left(hf_config: Any, layer_idx: int) -> int:
@@ -63,7 +65,9 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, _window_left(c, layer_idx))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, reduce: bool = True
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
@@ -72,7 +76,7 @@ class LlamaAttention(nn.Module):
             q.view(num_tokens, -1, self.attn.head_dim),
             k.view(num_tokens, -1, self.attn.head_dim),
         )
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v), reduce)
 
 
 class LlamaMLP(nn.Module):
@@ -85,8 +89,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, c.hidden_size, dtype=dtype, comm=comm)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,23 +109,78 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    # The two halves as overlap stages: each returns partial sums still to be all-reduced.
+    def attention_stage(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        return self.self_attn(positions, hidden, reduce=False), residual
+
+    def mlp_stage(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden, reduce=False), residual
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, c: Any, dtype: torch.dtype, comm: Communicator = SINGLE) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype, comm)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(c, i, dtype, comm) for i in range(c.num_hidden_layers)
-        )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+    """Decoder layers [start, end) of layer_range (default: all); the embedding only on the
+    tier that starts at 0, the final norm only on the tier that ends at the last layer."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def __init__(
+        self,
+        c: Any,
+        dtype: torch.dtype,
+        comm: Communicator = SINGLE,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.start_layer, self.end_layer = layer_range or (0, c.num_hidden_layers)
+        first, last = self.start_layer == 0, self.end_layer == c.num_hidden_layers
+        self.embed_tokens = (
+            VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype, comm)
+            if first
+            else MissingLayer()
+        )
+        # Absent layers keep their index, so parameter names match the checkpoint's.
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(c, i, dtype, comm)
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
+            for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype) if last else MissingLayer()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [T, hidden] from the previous tier replace the embedding."""
+        hidden = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if isinstance(self.norm, MissingLayer):
+            # Hand the residual stream on; the next tier starts with residual None, which
+            # its first input_layernorm treats exactly as this hidden + residual.
+            return hidden if residual is None else hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def forward_overlapped(
+        self, batches: list[MicroBatch], comm: OverlapCommunicator
+    ) -> torch.Tensor:
+        """The same forward over micro-batches whose all-reduces overlap each other's compute."""
+        stages: list[Stage] = []
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            stages += [layer.attention_stage, layer.mlp_stage]
+        sizes = [len(b.input_ids) for b in batches]
+        embedded = self.embed_tokens(torch.cat([b.input_ids for b in batches]))  # one reduce
+        hidden = list(embedded.split(sizes))
+        outs = interleave(stages, batches, hidden, comm)
+        return torch.cat([self.norm(h, r)[0] for h, r in outs])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,21 +193,53 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, comm: Communicator = SINGLE) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        comm: Communicator = SINGLE,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, dtype, comm)
+        self.model = LlamaModel(hf_config, dtype, comm, layer_range)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype, comm)
-        if self.tie_word_embeddings:
+        if isinstance(self.model.norm, MissingLayer):
+            self.lm_head: nn.Module = MissingLayer()
+        else:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype, comm)
+        if self.tie_word_embeddings and isinstance(self.model.embed_tokens, MissingLayer):
+            # A last tier without the embedding loads the tied matrix as its own head.
+            self.tie_word_embeddings = False
+            self.weight_aliases = {"model.embed_tokens.weight": "lm_head.weight"}
+        elif self.tie_word_embeddings and not isinstance(self.lm_head, MissingLayer):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden] (logits only where needed: compute_logits)."""
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden] (logits only where needed: compute_logits).
+
+        A partition tier takes the previous tier's hidden_states instead of input_ids and,
+        unless it is the last, returns the residual stream for the next tier.
+        """
+        return self.model(input_ids, positions, hidden_states)
+
+    def forward_overlapped(
+        self, batches: list[MicroBatch], comm: OverlapCommunicator
+    ) -> torch.Tensor:
+        """forward() with communication overlap (tensor parallel; see distributed.overlap)."""
+        return self.model.forward_overlapped(batches, comm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [
+            layer.self_attn.attn
+            for layer in self.model.layers
+            if not isinstance(layer, MissingLayer)
+        ]

@@ -9,6 +9,11 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.worker.model_runner import KVCacheSpec, ModelOutput, ModelRunner
 
 
+class ExecutorLostError(RuntimeError):
+    """A remote part of the model (a partition tier) is gone, and with it the KV state of
+    every running sequence: the engine fails those requests and starts the rest afresh."""
+
+
 class Executor(ABC):
     @abstractmethod
     def initialize_cache(self) -> KVCacheSpec:
@@ -51,6 +56,14 @@ class UniProcExecutor(Executor):
 
 
 def create_executor(config: EngineConfig) -> Executor:
+    if config.partition is not None:
+        if config.partition.role != "edge":
+            raise ValueError("the cloud tier runs as `pagedllm split-worker`, not as an engine.")
+        from pagedllm.partition.runtime import SplitExecutor
+
+        return SplitExecutor(config)
     if config.parallel.tensor_parallel_size > 1:
-        raise NotImplementedError("tensor_parallel_size > 1 needs the multiprocess executor")
+        from pagedllm.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
     return UniProcExecutor(config)

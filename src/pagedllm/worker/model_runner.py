@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ class ModelRunner:
         self.backend = get_attention_backend(config.device.attention_backend, self.device)
         self.sampler = Sampler(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_buffer: mmap.mmap | None = None  # backs the CPU cache (see _zeroed)
 
     # ---- KV cache ------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -115,15 +118,20 @@ class ModelRunner:
         attn = self.model.attention_layers()
         shape = (num_blocks, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
         # Zeroed: padded key slots are masked, but 0 * NaN garbage would still poison P @ V.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in attn
-        ]
+        flat = self._zeroed(2 * len(attn) * math.prod(shape))
+        views = flat.view(len(attn), 2, *shape)
+        self.kv_caches = [(views[i, 0], views[i, 1]) for i in range(len(attn))]
         for layer, (k, v) in zip(attn, self.kv_caches):
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
+
+    def _zeroed(self, numel: int) -> torch.Tensor:
+        """A zero tensor; on the CPU backed by anonymous memory that the OS zeroes on first
+        touch, so a multi-GiB cache costs nothing at start-up."""
+        if self.device.type != "cpu":
+            return torch.zeros(numel, dtype=self.dtype, device=self.device)
+        nbytes = numel * torch.empty(0, dtype=self.dtype).element_size()
+        self._kv_buffer = mmap.mmap(-1, nbytes)  # kept alive as long as the cache
+        return torch.frombuffer(self._kv_buffer, dtype=self.dtype)
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_input(self, out: SchedulerOutput) -> ModelInput:
@@ -181,8 +189,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         inp = self.prepare_input(out)
+        return self.compute_output(inp, self.forward(inp))
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over the step's tokens: [num_tokens, hidden]. A partition tier after the
+        first passes the previous tier's hidden_states in place of the embedding."""
         with ForwardContext(inp.metadata):
-            hidden = self.model(inp.input_ids, inp.positions)
+            if hidden_states is None:
+                return self.model(inp.input_ids, inp.positions)
+            return self.model(inp.input_ids, inp.positions, hidden_states)
+
+    @torch.inference_mode()
+    def compute_output(self, inp: ModelInput, hidden: torch.Tensor) -> ModelOutput:
+        """Logits where needed, prompt logprobs and the sampled tokens."""
         if inp.logits_indices.numel() == 0:
             return ModelOutput({}, {}, {})
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()

@@ -1,0 +1,67 @@
+"""Helpers shared by the tensor-parallel tests (the rpc functions run on every rank)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+BASE = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=2,
+        )
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.block_manager.usage == 0.0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def async_reduces(runner) -> int:  # noqa: ANN001 - runs on every rank via collective_rpc
+    return runner.model.model.layers[0].self_attn.o_proj.comm.num_async
+
+
+def parameter_shapes(runner) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+    return {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+
+
+def generate_both_ways(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens with overlap on, then off; asserts both agree and overlap really ran."""
+    executor = llm.llm_engine.executor
+    executor.overlap_min_tokens = 2  # split every step of two sequences or more, decode too
+    results = []
+    for overlap in (True, False):
+        executor.comm_overlap = overlap
+        before = executor.collective_rpc(async_reduces)
+        results.append(greedy(llm, prompts, max_tokens))
+        issued = [a - b for a, b in zip(executor.collective_rpc(async_reduces), before)]
+        assert all(n > 0 for n in issued) if overlap else issued == [0, 0]
+    assert results[0] == results[1]
+    return results[0]
