@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--dtype", default="bfloat16", help="dtype of both engines")
-    ap.add_argument("--plot", type=Path, default=Path("docs/throughput.png"))
+    ap.add_argument("--plot", default="docs/throughput.png", help="bar chart PNG ('' for none)")
     ap.add_argument("--json", type=Path, default=None, help="also write results as JSON")
     args = ap.parse_args()
     model_dir = args.model or build_bench_model(default_model_dir())
@@ -111,7 +111,11 @@ def main() -> None:
         out_tokens = sum(r.output_len for r in reqs)
         total_tokens = out_tokens + sum(len(r.prompt) for r in reqs)
         t_ours, info = run_pagedllm(model_dir, reqs, engine_kwargs)
-        hf = {bs: run_hf(model_dir, reqs, bs, args.dtype) for bs in args.hf_batch_sizes}
+        print(f"[{name}] pagedllm {t_ours:.1f} s, {out_tokens / t_ours:.1f} out tok/s", flush=True)
+        hf = {}
+        for bs in args.hf_batch_sizes:
+            hf[bs] = run_hf(model_dir, reqs, bs, args.dtype)
+            print(f"[{name}] HF batch {bs}: {hf[bs]:.1f} s", flush=True)
         best_bs = min(hf, key=hf.get)
         row = {"requests": len(reqs), "output_tokens": out_tokens, "total_tokens": total_tokens,
                "pagedllm_s": t_ours, "pagedllm_out_tok_s": out_tokens / t_ours,
@@ -135,7 +139,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.plot:
-        plot(results, args.plot, args.dtype)
+        plot(results, Path(args.plot), args.dtype)
 
 
 def plot(results: dict, path: Path, dtype: str) -> None:

@@ -18,6 +18,14 @@ from pagedllm.models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TIED_HEAD = ("lm_head.weight", "lm_head.weight_scale")  # the embedding's, when tied
+
+
+class MissingLayer(nn.Module):
+    """Stands in for a module another partition tier runs: holds nothing, keeps indices."""
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise RuntimeError("this module belongs to another partition tier")
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -43,20 +51,28 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def resolve_name(model: nn.Module, name: str) -> tuple[str, int | str | None]:
+    """A checkpoint tensor's parameter name in the model, and its shard in a fused parameter."""
+    name = getattr(model, "weight_aliases", {}).get(name, name)
+    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
+    for ckpt_part, (param_part, sid) in packed.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), sid
+    return name, None
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model, each through its parameter's weight_loader."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    absent = tuple(n + "." for n, m in model.named_modules() if isinstance(m, MissingLayer))
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+        name, shard_id = resolve_name(model, name)
+        if "rotary_emb.inv_freq" in name or (tied and name in _TIED_HEAD):
             continue
-        shard_id = None
-        for ckpt_part, (param_part, sid) in packed.items():
-            if f".{ckpt_part}." in name:
-                name, shard_id = name.replace(f".{ckpt_part}.", f".{param_part}."), sid
-                break
+        if name.startswith(absent):
+            continue  # a layer of another partition tier
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model.")
         param = params[name]
@@ -68,7 +84,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         else:
             loader(param, tensor, shard_id)
         loaded.add(name)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing = [n for n in params if n not in loaded and not (tied and n in _TIED_HEAD)]
     if missing:
         raise ValueError(
             f"checkpoint is missing weights: {', '.join(missing[:5])}"
@@ -79,7 +95,17 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
 def load_model(config: ModelConfig, device: torch.device, comm: Communicator = SINGLE) -> nn.Module:
     cls = get_model_class(config.architecture)
     dtype = DTYPES[config.dtype]
+    # layer_range (a partition tier) is passed only when set, so other models need not know it
+    extra = {} if config.layer_range is None else {"layer_range": config.layer_range}
     with torch.device(device):
-        model = cls(config.hf_config, dtype, comm)
+        model = cls(config.hf_config, dtype, comm, **extra)
+    quant = None
+    if config.quant_config is not None:
+        from pagedllm.layers.quantization import DynamicQuantConfig
+
+        quant = DynamicQuantConfig.from_config(config.quant_config)
+        quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
     load_weights(model, iterate_weights(Path(config.model)))
+    if quant is not None:
+        quant.finish_loading(model)
     return model.eval()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
+from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -45,6 +46,28 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     server.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route but /health",
+    )
+    server.add_argument(
+        "--disable-metrics-auth",
+        action="store_true",
+        help="serve /metrics without the API key (for a Prometheus scraper)",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies are refused with HTTP 413",
+    )
+    server.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM / Ctrl-C wait for in-flight requests before cancelling them",
+    )
+    server.add_argument(
         "--role",
         dest="partition_role",
         choices=["edge", "cloud"],
@@ -66,13 +89,16 @@ def _serve(ns: argparse.Namespace) -> int:
         return run_cloud_worker(args)
     explicit = bool(getattr(ns, "model_pos", None) or ns.model)
     names = ns.served_model_name or [args.model if explicit else Path(args.model).name]
-    run_server(
+    return run_server(
         args,
         host=ns.host,
         port=ns.port,
+        uvicorn_log_level=ns.uvicorn_log_level,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         served_model_names=names,
         max_waiting_requests=ns.max_waiting_requests,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
-        uvicorn_log_level=ns.uvicorn_log_level,
+        api_key=ns.api_key,
+        metrics_need_api_key=not ns.disable_metrics_auth,
+        max_request_bytes=ns.max_request_bytes,
     )
-    return 0

@@ -1,0 +1,363 @@
+"""Device and link profiles, measured by short probes or written by hand, and measured
+per-layer timings of a model on this machine (which refine the roofline estimates).
+
+``profile_device`` times large matmuls (compute throughput per dtype), a large copy
+(memory bandwidth) and tiny ops (per-op dispatch cost). ``measure_layer_timings`` runs the
+real model through the engine's scheduler and model runner and times every graph node
+with forward hooks, plus the parts of a step outside the model (schedule, prepare, sample).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    flops: dict[str, float]  # dtype name -> FLOP/s of a large matmul
+    mem_bandwidth: float  # bytes/s of a streaming copy
+    mem_capacity: int  # bytes the tier may use
+    op_overhead_s: float = 0.0  # dispatch cost of one small op (a layer's time floor)
+    threads: int | None = None  # torch threads the probes ran with
+
+    def flops_for(self, dtype: str) -> float:
+        if dtype in self.flops:
+            return self.flops[dtype]
+        return self.flops.get("float32") or max(self.flops.values())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read device profile {str(path)!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    bandwidth_mbps: float  # megabits per second, each direction
+    rtt_ms: float  # round-trip latency
+    overhead_ms: float = 0.0  # software cost of one exchange (encode, RPC, decode)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_mbps * 1e6 / 8
+
+    def transfer_s(self, num_bytes: float) -> float:
+        return num_bytes / self.bytes_per_s
+
+    @classmethod
+    def parse(cls, text: str) -> LinkProfile:
+        """A JSON file, or "100mbit,20ms[,0.5ms]" (bandwidth, RTT, optional overhead)."""
+        if Path(text).is_file():
+            try:
+                return cls(**json.loads(Path(text).read_text()))
+            except (TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"cannot read link profile {text!r}: {e}") from e
+        rates = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}
+        times = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+        bandwidth, delays = None, []
+        for part in text.lower().replace("/s", "").split(","):
+            m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]+)\s*", part)
+            if m and m.group(2) in rates:
+                bandwidth = float(m.group(1)) * rates[m.group(2)]
+            elif m and m.group(2) in times:
+                delays.append(float(m.group(1)) * times[m.group(2)])
+            else:
+                raise ValueError(f"cannot read link part {part!r} (e.g. 100mbit,20ms).")
+        if bandwidth is None or not delays or len(delays) > 2:
+            raise ValueError(
+                f"a link is 'BANDWIDTH,RTT[,OVERHEAD]', e.g. 100mbit,20ms; got {text!r}."
+            )
+        return cls(bandwidth, delays[0], delays[1] if len(delays) > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class LayerTimings:
+    """Measured seconds per graph node (embed, layer.0 .., head) on one device."""
+
+    device: str  # the DeviceProfile name these apply to
+    batch_size: int
+    context_len: int
+    prompt_len: int
+    decode_s: tuple[float, ...]  # per node, one decode step of batch_size sequences
+    prefill_s: tuple[float, ...]  # per node, one prompt of prompt_len tokens
+    engine_s: float  # per decode step: the engine around the runner (first tier only)
+    prepare_s: float  # per decode step: building the batch tensors (every tier)
+    sample_s: float  # per decode step: sampling after the logits (the last tier)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerTimings:
+        data = {**data, "decode_s": tuple(data["decode_s"]), "prefill_s": tuple(data["prefill_s"])}
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> LayerTimings:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# ---- probes --------------------------------------------------------------------------------
+def _timeit(fn: Any, sync: Any, budget_s: float, min_reps: int = 3) -> float:
+    """Median seconds of fn over about budget_s (one warm-up call first)."""
+    fn()
+    sync()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < min_reps or time.perf_counter() - start < budget_s:
+        t = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t)
+    return sorted(samples)[len(samples) // 2]
+
+
+def profile_device(
+    name: str,
+    device: str = "cpu",
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    threads: int | None = None,
+    matmul_size: int = 1024,
+    copy_mib: int = 128,
+    budget_s: float = 0.5,
+) -> DeviceProfile:
+    """Measure this machine: matmul FLOP/s per dtype, copy bandwidth, per-op overhead."""
+    import torch
+
+    from pagedllm.models.loader import DTYPES
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    flops: dict[str, float] = {}
+    n = matmul_size
+    for dtype in dtypes:
+        a = torch.randn(n, n, device=dev).to(DTYPES[dtype])
+        b = torch.randn(n, n, device=dev).to(DTYPES[dtype])
+        flops[dtype] = 2.0 * n**3 / _timeit(lambda a=a, b=b: a @ b, sync, budget_s)
+    src = torch.ones(copy_mib << 18, device=dev)  # float32: copy_mib MiB
+    dst = torch.empty_like(src)
+    bandwidth = 2.0 * src.numel() * 4 / _timeit(lambda: dst.copy_(src), sync, budget_s)
+    tiny = torch.ones(8, device=dev)
+    op = _timeit(lambda: [tiny.add(1.0) for _ in range(100)], sync, budget_s / 2) / 100
+    if dev.type == "cuda":
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+    else:
+        capacity = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return DeviceProfile(name, flops, bandwidth, capacity, op, torch.get_num_threads())
+
+
+# ---- measured per-layer timings ------------------------------------------------------------
+class _NodeTimer:
+    """Forward hooks that add each graph node's wall time to totals[node]."""
+
+    def __init__(self, node_modules: list[list[Any]], sync: Any) -> None:
+        self.totals = [0.0] * len(node_modules)
+        self._sync = sync
+        self._start = 0.0
+        self._handles = []
+        for i, modules in enumerate(node_modules):
+            for m in modules:
+                self._handles.append(m.register_forward_pre_hook(self._pre))
+                self._handles.append(m.register_forward_hook(lambda *_, i=i: self._post(i)))
+
+    def _pre(self, *_: Any) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _post(self, node: int) -> None:
+        self._sync()
+        self.totals[node] += time.perf_counter() - self._start
+
+    def reset(self) -> None:
+        self.totals = [0.0] * len(self.totals)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class _StepTimes:
+    nodes: list[float]
+    prepare: float
+    sample: float
+
+
+def _timed_step(engine: Any, timer: _NodeTimer, sync: Any) -> _StepTimes:
+    """One engine step, driven piece by piece so that each piece can be timed."""
+    runner = engine.executor.runner
+    out = engine.scheduler.schedule()
+    t1 = time.perf_counter()
+    inp = runner.prepare_input(out)
+    sync()
+    t2 = time.perf_counter()
+    timer.reset()
+    hidden = runner.forward(inp)
+    sync()
+    t3 = time.perf_counter()
+    in_forward = list(timer.totals)
+    model_out = runner.compute_output(inp, hidden)
+    t4 = time.perf_counter()
+    engine.scheduler.update(out, model_out.sampled)
+    head_after = timer.totals[-1] - in_forward[-1]  # the LM head, inside compute_output
+    return _StepTimes(
+        nodes=list(timer.totals),
+        prepare=(t2 - t1) + (t3 - t2 - sum(in_forward)),  # tensors + the forward's glue
+        sample=t4 - t3 - head_after,
+    )
+
+
+def _lower_quartile(rows: list[list[float]]) -> tuple[float, ...]:
+    """Per column, the lower quartile over the rows (steps).
+
+    On a loaded machine the OS preempts the process inside many steps, and the preemptions
+    lock to the step period: they land on the same node step after step, so even a node's
+    median can be a time slice of another process. The lower quartile is the node's own cost.
+    """
+    return tuple(sorted(col)[len(col) // 4] for col in zip(*rows))
+
+
+def _profiling_engine(engine_args: Any, batch: int, context: int, prompt: int, steps: int) -> Any:
+    """An engine sized for the measurement: no prefix caching, a small KV cache."""
+    import dataclasses
+
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    m = engine_args.create_engine_config().model
+    tokens = batch * (context + 2 * steps + 4) + prompt
+    per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+    args = dataclasses.replace(
+        engine_args,
+        enable_prefix_caching=False,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(prompt, context, batch),
+        kv_cache_memory_bytes=2 * tokens * per_token + (1 << 20),
+    )
+    try:  # detokenizing is part of a step where the model has a tokenizer
+        return LLMEngine.from_engine_args(args)
+    except (OSError, ValueError):
+        return LLMEngine.from_engine_args(args, skip_tokenizer_init=True)
+
+
+def _random_prompt(engine: Any, length: int, gen: Any) -> list[int]:
+    import torch
+
+    return torch.randint(
+        3, engine.config.model.hf_config.vocab_size, (length,), generator=gen
+    ).tolist()
+
+
+def _decode_steps(
+    engine: Any, timer: _NodeTimer, sync: Any, batch: int, context: int, steps: int, gen: Any
+) -> tuple[list[_StepTimes], list[float]]:
+    """Timed decode steps, then whole engine steps' time outside the model's nodes."""
+    from pagedllm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{i}", _random_prompt(engine, context, gen), params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
+        _timed_step(engine, timer, sync)
+    _timed_step(engine, timer, sync)  # warm-up decode step
+    decode = [_timed_step(engine, timer, sync) for _ in range(steps)]
+    outside = []
+    for _ in range(steps):
+        timer.reset()
+        start = time.perf_counter()
+        engine.step()
+        outside.append(time.perf_counter() - start - sum(timer.totals))
+    engine.abort_request([f"decode-{i}" for i in range(batch)])
+    return decode, outside
+
+
+def _prefill_steps(
+    engine: Any, timer: _NodeTimer, sync: Any, prompt: int, gen: Any
+) -> list[list[float]]:
+    from pagedllm.sampling_params import SamplingParams
+
+    nodes = []
+    for i in range(3):
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        engine.add_request(f"prefill-{i}", _random_prompt(engine, prompt, gen), params)
+        nodes.append(_timed_step(engine, timer, sync).nodes)
+        engine.abort_request(f"prefill-{i}")
+    return nodes
+
+
+def measure_layer_timings(
+    engine_args: Any,
+    device_name: str,
+    batch_size: int = 1,
+    context_len: int = 128,
+    prompt_len: int = 128,
+    steps: int = 8,
+    threads: int | None = None,
+) -> LayerTimings:
+    """Run the model on this machine and time every graph node, decode and prefill.
+
+    The model runs on a thread of its own, as in a deployment (the server's engine thread,
+    the cloud worker's RPC thread): on a busy machine, intra-op threads started from the
+    main thread were measured several times slower than the same work started elsewhere.
+    """
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(
+            _measure, engine_args, device_name, batch_size, context_len, prompt_len, steps
+        ).result()
+
+
+def _measure(
+    engine_args: Any,
+    device_name: str,
+    batch_size: int,
+    context_len: int,
+    prompt_len: int,
+    steps: int,
+) -> LayerTimings:
+    import torch
+
+    engine = _profiling_engine(engine_args, batch_size, context_len, prompt_len, steps)
+    model = engine.executor.runner.model
+    dev = engine.executor.runner.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    nodes = [[model.model.embed_tokens], *[[x] for x in model.model.layers]]
+    timer = _NodeTimer([*nodes, [model.model.norm, model.lm_head]], sync)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        decode, outside = _decode_steps(engine, timer, sync, batch_size, context_len, steps, gen)
+        prefill = _prefill_steps(engine, timer, sync, prompt_len, gen)
+    finally:
+        timer.remove()
+        engine.shutdown()
+    prepare = _lower_quartile([[s.prepare] for s in decode])[0]
+    sample = _lower_quartile([[s.sample] for s in decode])[0]
+    return LayerTimings(
+        device=device_name,
+        batch_size=batch_size,
+        context_len=context_len,
+        prompt_len=prompt_len,
+        decode_s=_lower_quartile([s.nodes for s in decode]),
+        prefill_s=_lower_quartile(prefill),
+        prepare_s=prepare,
+        sample_s=sample,
+        engine_s=max(0.0, _lower_quartile([[x] for x in outside])[0] - prepare - sample),
+    )

@@ -1,0 +1,309 @@
+"""Running a partition plan: the edge's SplitExecutor and the cloud's CloudWorker.
+
+The edge process runs the whole engine (scheduler, block manager, detokenizer, server)
+with a SplitExecutor: its model runner holds the embedding and layers [0, k) on its own
+paged cache. Each step it runs them and sends, for the whole batch, the hidden states
+plus what the cloud needs to lay the step out itself: per scheduled sequence its id,
+num_computed_tokens, num_new_tokens, block table and the tokens the cloud has not seen.
+
+The cloud keeps a mirror Sequence per sequence id, rebuilds the same SchedulerOutput and
+runs its model runner over it: layers [k, L), norm, LM head and the sampler, on a paged
+cache of the same block count, so the edge's block ids index both caches and prefix-cache
+hits, preemption and chunked prefill need no extra protocol. Sampling (seeds, penalties,
+logprobs) happens on the cloud, so only token ids and logprobs come back, not logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.outputs import Logprob, TokenLogprobs
+from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.engine.sequence import Sequence
+from pagedllm.partition.profiler import LinkProfile
+from pagedllm.partition.transport import (
+    PeerLostError,
+    RemoteError,
+    TierClient,
+    TierServer,
+)
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.executor import Executor, ExecutorLostError
+from pagedllm.worker.model_runner import KVCacheSpec, ModelOutput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 30.0  # at start-up the cloud worker may still be loading
+RECONNECT_TIMEOUT_S = 2.0  # later, each step that finds the cloud gone fails this fast
+_FLOAT_WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- hidden states on the wire -------------------------------------------------------------
+def encode_hidden(hidden: torch.Tensor, wire_dtype: str) -> dict[str, torch.Tensor]:
+    """[T, hidden] -> tensors to send; int8 is symmetric per token with a float32 scale."""
+    hidden = hidden.detach().cpu()
+    if wire_dtype != "int8":
+        return {"hidden": hidden.to(_FLOAT_WIRE[wire_dtype])}
+    scale = hidden.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    q = torch.round(hidden.float() / scale).clamp(-127, 127).to(torch.int8)
+    return {"hidden_q": q, "hidden_scale": scale}
+
+
+def decode_hidden(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if "hidden_q" in tensors:
+        hidden = tensors["hidden_q"].float() * tensors["hidden_scale"]
+    else:
+        hidden = tensors["hidden"]
+    return hidden.to(device=device, dtype=dtype)
+
+
+# ---- model output on the wire --------------------------------------------------------------
+def _lp_to_wire(lp: TokenLogprobs | None) -> list[list[float]] | None:
+    if lp is None:
+        return None
+    return [[tok, v.logprob, v.rank] for tok, v in lp.items()]
+
+
+def _lp_from_wire(rows: list[list[float]] | None) -> TokenLogprobs | None:
+    if rows is None:
+        return None
+    return {int(tok): Logprob(lp, int(rank)) for tok, lp, rank in rows}
+
+
+def output_to_wire(out: ModelOutput) -> dict[str, Any]:
+    return {
+        "sampled": [[sid, tok] for sid, tok in out.sampled.items()],
+        "logprobs": [[sid, _lp_to_wire(lp)] for sid, lp in out.logprobs.items()],
+        "prompt_logprobs": [
+            [sid, [_lp_to_wire(lp) for lp in lps]] for sid, lps in out.prompt_logprobs.items()
+        ],
+    }
+
+
+def output_from_wire(meta: dict[str, Any]) -> ModelOutput:
+    return ModelOutput(
+        sampled={int(sid): int(tok) for sid, tok in meta["sampled"]},
+        logprobs={int(sid): _lp_from_wire(lp) for sid, lp in meta["logprobs"]},
+        prompt_logprobs={
+            int(sid): [_lp_from_wire(lp) for lp in lps] for sid, lps in meta["prompt_logprobs"]
+        },
+    )
+
+
+def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+
+
+# ---- the edge ------------------------------------------------------------------------------
+class SplitExecutor(Executor):
+    """Runs the first tier here and the rest on a cloud worker, one exchange per step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.partition is not None and config.partition.address is not None, (
+            "an edge needs partition_address: the cloud worker's host:port"
+        )
+        self.partition = config.partition
+        self.runner = ModelRunner(config)
+        self.client: TierClient | None = None
+        self.num_blocks = 0
+        self._synced: dict[int, int] = {}  # seq_id -> tokens of it the cloud holds
+        self._released: list[int] = []  # finished seq ids to tell the cloud on the next step
+
+    def _hello(self, num_blocks: int, connect_timeout_s: float) -> int:
+        """Open a session: the cloud sizes its cache to at most num_blocks; returns its count."""
+        self._drop_session()
+        self.client = TierClient(self.partition.address, connect_timeout_s)
+        reply, _ = self.client.exchange(
+            {
+                "kind": "hello",
+                "cut": self.partition.cut,
+                "block_size": self.runner.block_size,
+                "num_blocks": num_blocks,
+                "hidden_size": self.runner.config.model.hf_config.hidden_size,
+            },
+            {},
+        )
+        return int(reply["num_blocks"])
+
+    def initialize_cache(self) -> KVCacheSpec:
+        spec = self.runner.plan_kv_cache()
+        try:
+            self.num_blocks = self._hello(spec.num_blocks, CONNECT_TIMEOUT_S)
+        except (PeerLostError, RemoteError) as e:
+            self._drop_session()
+            raise ValueError(str(e)) from None
+        self.runner.allocate_kv_cache(self.num_blocks)
+        logger.info(
+            "edge tier: layers [0, %d), %d KV blocks shared with the cloud worker at %s",
+            self.partition.cut,
+            self.num_blocks,
+            self.partition.address,
+        )
+        return dataclasses.replace(spec, num_blocks=self.num_blocks)
+
+    def _reconnect(self) -> None:
+        try:
+            got = self._hello(self.num_blocks, RECONNECT_TIMEOUT_S)
+            if got != self.num_blocks:
+                raise RemoteError(
+                    f"the cloud worker at {self.partition.address} now has room for {got} KV "
+                    f"blocks, the edge needs {self.num_blocks}"
+                )
+        except (PeerLostError, RemoteError) as e:
+            self._drop_session()
+            raise ExecutorLostError(str(e)) from None
+
+    def _drop_session(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.client = None
+        self._synced.clear()
+
+    def _layout(self, out: SchedulerOutput) -> list[list[Any]]:
+        """Per scheduled sequence what the cloud needs to lay out the same step."""
+        rows = []
+        for item in out.scheduled:
+            seq = item.seq
+            synced = self._synced.get(seq.seq_id)
+            first = None
+            if synced is None:
+                first = {
+                    "prompt_len": seq.num_prompt_tokens,
+                    "eos": seq.eos_token_id,
+                    "params": _params_to_wire(seq.sampling_params),
+                }
+                synced = 0
+            rows.append(
+                [
+                    seq.seq_id,
+                    seq.num_computed_tokens,
+                    item.num_new_tokens,
+                    seq.block_table,
+                    seq.token_ids[synced:],
+                    first,
+                ]
+            )
+            self._synced[seq.seq_id] = seq.num_tokens
+        return rows
+
+    def execute_model(self, out: SchedulerOutput) -> ModelOutput:
+        if self.client is None:
+            self._reconnect()
+        assert self.client is not None
+        inp = self.runner.prepare_input(out)
+        tensors = encode_hidden(self.runner.forward(inp), self.partition.wire_dtype)
+        meta = {"kind": "step", "seqs": self._layout(out), "release": self._released}
+        self._released = []
+        try:
+            reply, _ = self.client.exchange(meta, tensors)
+        except (PeerLostError, RemoteError) as e:
+            self._drop_session()
+            raise ExecutorLostError(str(e)) from None
+        return output_from_wire(reply)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            if self._synced.pop(seq_id, None) is not None:
+                self._released.append(seq_id)
+
+    def shutdown(self) -> None:
+        self._drop_session()
+
+    @property
+    def load_seconds(self) -> float:
+        return self.runner.load_seconds
+
+
+# ---- the cloud -----------------------------------------------------------------------------
+class CloudWorker:
+    """The last tier: layers [k, L) + head over mirrored sequences, served to one edge."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.partition is not None and config.partition.role == "cloud"
+        self.partition = config.partition
+        self.runner = ModelRunner(config)
+        self.max_blocks = self.runner.plan_kv_cache().num_blocks
+        self.seqs: dict[int, Sequence] = {}  # seq_id -> mirror of the edge's sequence
+        self._lock = threading.Lock()
+
+    def handle(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+        with self._lock:
+            if meta["kind"] == "hello":
+                return self._hello(meta), {}
+            return output_to_wire(self._step(meta, tensors)), {}
+
+    def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
+        hf = self.runner.config.model.hf_config
+        expected = {
+            "cut": self.partition.cut,
+            "block_size": self.runner.block_size,
+            "hidden_size": hf.hidden_size,
+        }
+        for key, value in expected.items():
+            if meta[key] != value:
+                raise ValueError(f"the edge has {key}={meta[key]}, this cloud worker {value}")
+        num_blocks = min(int(meta["num_blocks"]), self.max_blocks)
+        self.close()
+        if not self.runner.kv_caches or self.runner.kv_caches[0][0].shape[0] != num_blocks:
+            self.runner.kv_caches = []
+            self.runner.allocate_kv_cache(num_blocks)
+        logger.info("session open: layers [%d, %d), %d KV blocks", *self._range(), num_blocks)
+        return {"num_blocks": num_blocks}
+
+    def _range(self) -> tuple[int, int]:
+        return self.partition.cut, self.runner.config.model.num_layers
+
+    def _mirror(self, row: list[Any]) -> ScheduledSequence:
+        seq_id, computed, num_new, table, new_tokens, first = row
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            if first is None:
+                raise ValueError(f"sequence {seq_id} is unknown to this session")
+            prompt = new_tokens[: first["prompt_len"]]
+            params = SamplingParams(**first["params"])
+            seq = Sequence(seq_id, "", 0, prompt, params, first["eos"])
+            new_tokens = new_tokens[len(prompt) :]
+            self.seqs[seq_id] = seq
+        for token in new_tokens:
+            seq.append_token(token)
+        seq.num_computed_tokens = computed
+        seq.block_table = table
+        return ScheduledSequence(seq, num_new)
+
+    def _step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ModelOutput:
+        for seq_id in meta["release"]:
+            self._forget(seq_id)
+        scheduled = [self._mirror(row) for row in meta["seqs"]]
+        out = SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled))
+        runner = self.runner
+        inp = runner.prepare_input(out)
+        hidden = decode_hidden(tensors, runner.dtype, runner.device)
+        return runner.compute_output(inp, runner.forward(inp, hidden))
+
+    def _forget(self, seq_id: int) -> None:
+        if self.seqs.pop(seq_id, None) is not None:
+            self.runner.release(seq_id)
+
+    def close(self) -> None:
+        """The edge went away: forget its sequences (the KV blocks are the edge's to reuse)."""
+        for seq_id in list(self.seqs):
+            self._forget(seq_id)
+
+    def serve(self, emulate: LinkProfile | None = None) -> TierServer:
+        """A started server for this worker at the partition's address."""
+        address = self.partition.address or "127.0.0.1:0"
+        server = TierServer(self.handle, self._closed, address, emulate)
+        server.start()
+        return server
+
+    def _closed(self) -> None:
+        with self._lock:
+            self.close()

@@ -1,0 +1,194 @@
+"""The wire between two tiers: one gRPC (HTTP/2) bidirectional stream per edge session.
+
+Each message is a safetensors buffer: the step's tensors plus a JSON header in its
+metadata. The edge sends one message per engine step and waits for the reply, so the
+stream carries strictly alternating request / reply pairs. A cloud worker serves one edge
+at a time (its KV cache is indexed by that edge's block ids); when the stream ends, for
+whatever reason, the worker's ``on_close`` frees the session's state.
+
+The link can be emulated (``emulate``: a LinkProfile): before each reply the server sleeps
+one RTT plus both messages' bytes over the bandwidth, as a real link of that profile would
+add to the exchange. The overhead field of the profile is not slept: it is the software
+cost the transport itself has.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from pagedllm.partition.profiler import LinkProfile
+
+logger = logging.getLogger(__name__)
+
+SESSION_METHOD = "/pagedllm.partition.Tier/Session"
+# Messages carry a whole prefill's hidden states: lift gRPC's 4 MiB default. Keepalive pings
+# find a peer that vanished without closing its socket.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+Message = tuple[dict[str, Any], dict[str, torch.Tensor]]
+Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
+
+
+class PeerLostError(ConnectionError):
+    """The other tier went away (or never answered); its state for this session is gone."""
+
+
+class RemoteError(RuntimeError):
+    """The other tier answered with an error instead of a result."""
+
+
+def pack(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:
+    return st_save({k: v.contiguous() for k, v in tensors.items()}, {"meta": json.dumps(meta)})
+
+
+def unpack(data: bytes) -> Message:
+    # safetensors layout: u64 little-endian header length, then the JSON header
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    meta = json.loads(header["__metadata__"]["meta"])
+    return meta, st_load(data)
+
+
+class TierServer:
+    """Serves the session stream of one edge at a time on a gRPC server."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        on_close: Callable[[], None],
+        address: str,
+        emulate: LinkProfile | None = None,
+    ) -> None:
+        self._handler, self._on_close, self._emulate = handler, on_close, emulate
+        self._busy = threading.Lock()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS
+        )
+        method = grpc.stream_stream_rpc_method_handler(self._session)
+        service, name = SESSION_METHOD.rsplit("/", 1)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service.strip("/"), {name: method}),)
+        )
+        host = address.rsplit(":", 1)[0]
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> None:
+        self._server.start()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self._server.stop(grace).wait()
+
+    def _session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        if not self._busy.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "this cloud worker already serves an edge"
+            )
+        logger.info("edge %s connected", context.peer())
+        try:
+            for request in requests:
+                try:
+                    reply = pack(*self._handler(*unpack(request)))
+                except Exception as e:  # the edge gets the reason, the worker stays up
+                    logger.exception("step failed")
+                    reply = pack({"error": f"{type(e).__name__}: {e}"}, {})
+                if self._emulate is not None:
+                    link = self._emulate
+                    time.sleep(link.rtt_ms / 1e3 + link.transfer_s(len(request) + len(reply)))
+                yield reply
+        finally:
+            logger.info("edge %s disconnected; freeing its session", context.peer())
+            self._on_close()
+            self._busy.release()
+
+
+class TierClient:
+    """The edge's end of the session stream: exchange() sends one message, returns the reply."""
+
+    def __init__(self, address: str, connect_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise PeerLostError(
+                f"cannot reach the cloud worker at {address} within {connect_timeout_s:.0f}s"
+            ) from None
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        call = self._channel.stream_stream(SESSION_METHOD)
+        self._replies = call(iter(self._outbox.get, None))
+        # An edge dropped without close() still ends its session, so the worker is free.
+        self._finalizer = weakref.finalize(self, _end_session, self._outbox, self._channel)
+
+    def exchange(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        self._outbox.put(pack(meta, tensors))
+        try:
+            reply_meta, reply_tensors = unpack(next(self._replies))
+        except grpc.RpcError as e:
+            raise PeerLostError(
+                f"lost the connection to the cloud worker at {self.address}: "
+                f"{e.code().name}: {e.details()}"
+            ) from None
+        except StopIteration:
+            raise PeerLostError(f"the cloud worker at {self.address} closed the session") from None
+        if "error" in reply_meta:
+            raise RemoteError(f"cloud worker at {self.address}: {reply_meta['error']}")
+        return reply_meta, reply_tensors
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _end_session(outbox: queue.SimpleQueue, channel: grpc.Channel) -> None:
+    outbox.put(None)
+    channel.close()
+
+
+def measure_overhead_ms(payload_bytes: int = 4096, repeats: int = 50) -> float:
+    """Median software cost of one exchange over loopback (pack, gRPC, unpack), in ms: the
+    ``overhead_ms`` of a LinkProfile for this machine."""
+    server = TierServer(lambda meta, tensors: ({}, {}), lambda: None, "127.0.0.1:0")
+    server.start()
+    client = TierClient(server.address)
+    payload = {"hidden": torch.zeros(max(1, payload_bytes // 2), dtype=torch.bfloat16)}
+    try:
+        times = []
+        for _ in range(repeats + 5):
+            start = time.perf_counter()
+            client.exchange({"kind": "ping"}, payload)
+            times.append(time.perf_counter() - start)
+    finally:
+        client.close()
+        server.stop(None)
+    times = sorted(times[5:])
+    return times[len(times) // 2] * 1e3

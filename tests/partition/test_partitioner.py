@@ -1,0 +1,223 @@
+"""The partitioner on hand-made profiles whose optimum is known, and its reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm.entrypoints.cli import main
+from pagedllm.partition import DeviceProfile, GraphPartitioner, LayerTimings, LinkProfile
+from pagedllm.partition.graph import GraphNode, ModelGraph, graph_for_model
+from pagedllm.partition.plan import PartitionPlan
+
+MIB = 1 << 20
+L = 10
+
+
+def uniform_graph(layer_flops: float = 4e6) -> ModelGraph:
+    """L identical layers of layer_flops per token and 1 MiB of weights; free embed/head."""
+    free = dict(
+        streamed_bytes=0,
+        flops_per_sample=0.0,
+        attn_flops_per_pair=0.0,
+        kv_bytes_per_token=0,
+        read_bytes_per_token=0,
+        num_ops=0,
+    )
+    layer = GraphNode("layer", MIB, flops_per_token=layer_flops, **{**free, "streamed_bytes": 0})
+    nodes = [GraphNode("embed", 0, flops_per_token=0.0, **free)]
+    nodes += [layer] * L
+    nodes += [GraphNode("head", 0, flops_per_token=0.0, **free)]
+    return ModelGraph("uniform", tuple(nodes), hidden_size=64, dtype="float32")
+
+
+def device(name: str, ms_per_layer: float) -> DeviceProfile:
+    return DeviceProfile(name, {"float32": 4e6 / (ms_per_layer / 1e3)}, 1e12, 64 << 30)
+
+
+EDGE, CLOUD = device("edge", 4.0), device("cloud", 1.0)
+FAST_LINK = LinkProfile(bandwidth_mbps=1e6, rtt_ms=10.0)  # transfers are negligible
+
+
+def analyze(
+    constraints=None, strategy="latency_aware", devices=(EDGE, CLOUD), link=FAST_LINK, graph=None
+) -> PartitionPlan:
+    partitioner = GraphPartitioner(strategy, constraints, wire_dtype="float32")
+    return partitioner.analyze(graph or uniform_graph(), list(devices), link)
+
+
+def test_latency_aware_puts_the_least_on_the_slow_edge():
+    plan = analyze()
+    assert plan.feasible and plan.cuts == (1,)
+    # latency(k) = 4k (edge) + (10 - k) (cloud) + 10 (link) = 3k + 20
+    assert plan.chosen.decode_latency_ms == pytest.approx(23.0, abs=0.01)
+    assert plan.chosen.cloud_tokens_per_s == pytest.approx(1000 / 9)
+
+
+def test_cloud_throughput_pushes_layers_to_the_edge():
+    plan = analyze({"min_cloud_throughput": 200})  # cloud at most 5 ms: k >= 5
+    assert plan.feasible and plan.cuts == (5,)
+    assert plan.chosen.decode_latency_ms == pytest.approx(35.0, abs=0.01)
+    assert all(c.holds for c in plan.chosen.checks)
+
+
+def test_throughput_aware_balances_the_stages():
+    plan = analyze(strategy="throughput_aware")  # max(4k, 10 - k) is least at k = 2
+    assert plan.cuts == (2,)
+    assert plan.chosen.pipelined_tokens_per_s == pytest.approx(1000 / 8)
+
+
+def test_a_limit_no_cut_meets_is_reported_with_its_shortfall():
+    plan = analyze({"max_edge_latency": 10})
+    assert not plan.feasible
+    assert "max_edge_latency fails at every cut" in plan.message
+    assert "(cut 1)" in plan.message and "13 ms over the limit of 10 (130%)" in plan.message
+    assert "FAIL" in plan.table() and plan.message in plan.table()
+
+
+def test_limits_that_only_clash_are_reported_as_such():
+    # latency <= 30 needs k <= 3; cloud >= 200 tok/s needs k >= 5
+    plan = analyze({"max_edge_latency": 30, "min_cloud_throughput": 200})
+    assert not plan.feasible
+    assert "no cut meets them all" in plan.message
+    assert plan.cuts in {(3,), (4,), (5,)}
+    assert any(not c.holds for c in plan.chosen.checks)
+
+
+def test_edge_memory_limits_the_cut():
+    plan = analyze({"max_edge_memory": 3.5 * MIB})  # k MiB of layers on the edge
+    assert plan.cuts == (1,)
+    plan = analyze({"max_edge_memory": 3.5 * MIB, "min_cloud_throughput": 200})
+    assert not plan.feasible
+    assert "(min_cloud_throughput at cuts 5-9, max_edge_memory at cuts 1-3 only)" in plan.message
+
+
+def test_a_chain_of_three_tiers_has_one_cut_per_link():
+    chain = (device("phone", 8.0), EDGE, CLOUD)
+    plan = analyze(devices=chain)  # 8a + 4(b - a) + (10 - b) + 2 x 10 = 4a + 3b + 30
+    assert plan.cuts == (1, 2)
+    assert plan.chosen.decode_latency_ms == pytest.approx(40.0, abs=0.01)
+    plan = analyze({"min_cloud_throughput": 250}, devices=chain)  # 10 - b <= 4
+    assert plan.cuts == (1, 6) and len(plan.chosen.links) == 2
+    assert plan.layer_range(1) == (1, 6) and plan.layer_range(-1) == (6, L)
+
+
+def test_measured_timings_replace_the_roofline():
+    graph = uniform_graph()
+    timings = LayerTimings(
+        device="edge",
+        batch_size=1,
+        context_len=512,
+        prompt_len=128,
+        decode_s=(0.0,) + (0.002,) * L + (0.0,),
+        prefill_s=(0.0,) * (L + 2),
+        engine_s=0.001,
+        prepare_s=0.0005,
+        sample_s=0.0,
+    )
+    plan = analyze({"min_cloud_throughput": 200}, graph=graph.with_timings(timings))
+    # edge: 2 ms per layer + engine + prepare; cloud 1 ms per layer; link 10 ms
+    assert plan.cuts == (5,)
+    assert plan.chosen.tiers[0].decode_ms == pytest.approx(5 * 2 + 1.5)
+    assert plan.chosen.decode_latency_ms == pytest.approx(11.5 + 5 + 10, abs=0.01)
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    plan = analyze({"min_cloud_throughput": 200})
+    plan.save(tmp_path / "plan.json")
+    loaded = PartitionPlan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.chosen == plan.chosen
+    with pytest.raises(ValueError, match="cannot read partition plan"):
+        PartitionPlan.load(tmp_path / "missing.json")
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="unknown constraint"):
+        GraphPartitioner(constraints={"max_latency": 1})
+    with pytest.raises(ValueError, match="strategy"):
+        GraphPartitioner("fastest")
+    with pytest.raises(ValueError, match="one link between each pair"):
+        GraphPartitioner().analyze(uniform_graph(), [EDGE, CLOUD], [FAST_LINK, FAST_LINK])
+
+
+def test_link_profiles_parse():
+    assert LinkProfile.parse("100mbit,20ms") == LinkProfile(100.0, 20.0)
+    assert LinkProfile.parse("1Gbit/s, 500us, 0.5ms") == LinkProfile(1000.0, 0.5, 0.5)
+    with pytest.raises(ValueError, match="BANDWIDTH,RTT"):
+        LinkProfile.parse("20ms")
+
+
+def test_graph_is_read_off_the_model(model_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = model_factory("llama")
+    graph = graph_for_model(str(path), "float32")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    total = sum(p.numel() * 4 for p in hf.parameters())
+    assert sum(n.weight_bytes for n in graph.nodes) == total
+    layer = hf.model.layers[0]
+    linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    assert graph.nodes[1].flops_per_token == 2 * linear
+    assert graph.nodes[1].kv_bytes_per_token == 2 * 2 * 16 * 4  # K and V, 2 kv heads x 16
+
+
+def test_cli_prints_saves_and_plots(model_factory, tmp_path, capsys):
+    path = model_factory("llama", num_hidden_layers=4)
+    for dev in (EDGE, CLOUD):
+        dev.save(tmp_path / f"{dev.name}.json")
+    common = [
+        "partition",
+        "--model",
+        str(path),
+        "--edge",
+        str(tmp_path / "edge.json"),
+        "--cloud",
+        str(tmp_path / "cloud.json"),
+        "--link",
+        "100mbit,20ms",
+    ]
+    rc = main(
+        [
+            *common,
+            "--min-cloud-throughput",
+            "10",
+            "-o",
+            str(tmp_path / "plan.json"),
+            "--plot",
+            str(tmp_path / "plan.png"),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode latency" in out and "min_cloud_throughput holds" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["num_layers"] == 4 and len(plan["chosen"]["cuts"]) == 1
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*common, "--max-edge-latency", "1"]) == 1
+    assert "max_edge_latency fails at every cut" in capsys.readouterr().out
+
+
+def test_profile_device_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "dev.json"
+    assert (
+        main(
+            [
+                "profile-device",
+                "--name",
+                "here",
+                "--dtypes",
+                "float32",
+                "--threads",
+                "1",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    profile = DeviceProfile.load(out)
+    assert profile.name == "here" and profile.threads == 1
+    assert profile.flops["float32"] > 1e8 and profile.mem_bandwidth > 1e8
+    assert profile.mem_capacity > 1 << 30 and profile.op_overhead_s > 0
