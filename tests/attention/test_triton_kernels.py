@@ -111,7 +111,7 @@ def test_split_k_decode(kernels, monkeypatch):
 
 def test_engine_greedy_matches_hf_with_triton_backend(kernels, model_factory):
     """The whole engine on the "triton" backend (interpreted): same tokens as transformers."""
-    from test_engine_parity import hf_greedy
+    from hf_oracle import hf_greedy
 
     from pagedllm import LLM, SamplingParams
 

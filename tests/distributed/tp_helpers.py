@@ -3,32 +3,12 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-import torch
+from hf_oracle import hf_greedy  # noqa: F401 - re-exported to the tests here
 
 from pagedllm import LLM, SamplingParams
 
 BASE = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=2,
-        )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

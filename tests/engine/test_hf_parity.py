@@ -5,24 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+from hf_oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
 ARCHS = ["llama", "llama3_rope", "mistral", "qwen2"]
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 def run(model_dir, prompts, max_tokens, **engine_kwargs):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
+from hf_oracle import hf_greedy  # noqa: F401 - re-exported to the tests here
 
 from pagedllm.config import EngineArgs
 from pagedllm.partition import DeviceProfile, GraphPartitioner, LinkProfile
@@ -113,22 +113,3 @@ def workers():
     yield start
     for w in started:
         w.kill()
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=2,
-        )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs

@@ -1,0 +1,27 @@
+"""The correctness oracle: greedy generation with Hugging Face transformers (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Exactly max_tokens greedy tokens after each prompt (EOS does not stop it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=2,
+        )
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
