@@ -1,0 +1,168 @@
+"""Tests for tools/train_demo_model.py and the bundled models/pagedllm-demo folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "train_demo_model.py"
+DEMO_DIR = ROOT / "models" / "pagedllm-demo"
+UTF8_TEXT = "naïve café — 日本語 ✓"
+
+
+def _load_script() -> ModuleType:
+    """Import tools/train_demo_model.py (tools/ is not a package)."""
+    name = "train_demo_model"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+def _safetensors_dtypes(path: Path) -> set[str]:
+    """Tensor dtypes listed in a safetensors header."""
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.fixture(scope="module")
+def tdm() -> ModuleType:
+    return _load_script()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(
+    tdm: ModuleType, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, Any], Path]]:
+    """Train the --tiny preset once into a temp folder; restores global thread settings."""
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYON_NUM_THREADS", "1")
+        mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        try:
+            report = tdm.run(tdm.parse_args(["--tiny", "--out", str(out)]))
+        finally:
+            torch.set_num_threads(threads)
+        yield report, out
+
+
+def test_help_lists_flags(tdm: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        tdm.parse_args(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--out", "--max-minutes", "--max-steps", "--hidden-size", "--tiny", "--seed"):
+        assert flag in text
+
+
+def test_requires_a_stopping_limit(tdm: ModuleType) -> None:
+    with pytest.raises(SystemExit):
+        tdm.parse_args(["--max-minutes", "0"])
+    cfg = tdm.parse_args(["--max-steps", "5", "--max-minutes", "0"])
+    assert cfg.max_steps == 5 and cfg.max_minutes is None
+
+
+def test_default_shape_is_gqa_llama(tdm: ModuleType) -> None:
+    cfg = tdm.TrainConfig()
+    assert cfg.heads() == (6, 2)
+    assert cfg.mlp_size() == 1024
+
+
+def test_learning_rate_schedule(tdm: ModuleType) -> None:
+    cfg = tdm.TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert tdm.learning_rate(0, 100, cfg) == pytest.approx(1e-4)
+    assert tdm.learning_rate(10, 100, cfg) == pytest.approx(1e-3)
+    assert tdm.learning_rate(100, 100, cfg) == pytest.approx(1e-4)
+
+
+def test_corpus_is_clean_and_split_is_stable(tdm: ModuleType) -> None:
+    docs = tdm.build_corpus()
+    assert len(docs) == len(set(docs)) > 1000
+    assert not any(" at 0x" in doc for doc in docs)
+    train, heldout = tdm.split_corpus(docs)
+    assert len(train) + len(heldout) == len(docs)
+    assert 0.02 < len(heldout) / len(docs) < 0.08
+    assert all(tdm.is_heldout(doc) for doc in heldout)
+
+
+def test_tiny_training_reduces_loss(tiny_run: tuple[dict[str, Any], Path]) -> None:
+    report, _ = tiny_run
+    assert report["training"]["steps"] == 60
+    assert report["train_loss"] < report["initial_loss"] - 0.5
+    assert report["heldout_loss"] < report["initial_heldout_loss"] - 0.5
+    assert report["heldout_loss_bf16"] == pytest.approx(report["heldout_loss"], abs=0.05)
+
+
+def test_tiny_export_loads_and_generates(tiny_run: tuple[dict[str, Any], Path]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, out = tiny_run
+    for name in ("config.json", "generation_config.json", "README.md", "special_tokens_map.json"):
+        assert (out / name).is_file()
+    assert _safetensors_dtypes(out / "model.safetensors") == {"BF16"}
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    inputs = tokenizer("The list type", return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] > inputs["input_ids"].shape[1]
+    assert "perplexity" in (out / "README.md").read_text(encoding="utf-8")
+
+
+needs_demo = pytest.mark.skipif(not DEMO_DIR.is_dir(), reason="models/pagedllm-demo not present")
+
+
+@needs_demo
+def test_demo_folder_files() -> None:
+    size = sum(p.stat().st_size for p in DEMO_DIR.iterdir() if p.is_file())
+    assert size < 40 * 2**20
+    assert _safetensors_dtypes(DEMO_DIR / "model.safetensors") == {"BF16"}
+    config = json.loads((DEMO_DIR / "config.json").read_text(encoding="utf-8"))
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["torch_dtype"] == "bfloat16"
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    tok_config = json.loads((DEMO_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert "add_generation_prompt" in tok_config["chat_template"]
+
+
+@needs_demo
+def test_demo_tokenizer_round_trip_and_chat_template() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_DIR))
+    ids = tokenizer(UTF8_TEXT)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == UTF8_TEXT
+    messages = [{"role": "user", "content": "What is a list?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith(tokenizer.bos_token)
+    assert prompt.endswith("### Assistant:\n")
+
+
+@needs_demo
+def test_demo_model_loads_and_generates() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_DIR))
+    model = AutoModelForCausalLM.from_pretrained(str(DEMO_DIR))
+    assert 8_000_000 < sum(p.numel() for p in model.parameters()) < 16_000_000
+    inputs = tokenizer("A dictionary is", return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    text = tokenizer.decode(generated[0], skip_special_tokens=True)
+    assert text.startswith("A dictionary is") and len(text) > len("A dictionary is")
