@@ -62,8 +62,14 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, list | tuple):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if not isinstance(self.stop_token_ids, list | tuple | None):
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}."
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0

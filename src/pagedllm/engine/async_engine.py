@@ -134,6 +134,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self.dead_error: BaseException | None = None
+        # Called once, on the engine thread, when a failure (not shutdown) kills the engine.
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     @classmethod
     def from_engine_args(
@@ -265,6 +267,15 @@ class AsyncLLMEngine:
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run_loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a crashed thread must not look alive
+            logger.exception("the engine thread crashed")
+            self._die(e)
+        self._reject_queued()
+
+    def _serve(self) -> None:
+        """Run commands and steps until shut down or dead."""
         engine = self.engine
         while self.dead_error is None:
             ran = self._run_commands(block=not engine.has_unfinished_requests())
@@ -276,7 +287,6 @@ class AsyncLLMEngine:
                 self._step()
             elif ran:
                 engine.step()  # nothing to run: records fresh gauges after aborts
-        self._reject_queued()
 
     def _reject_queued(self) -> None:
         """Commands that arrived after the loop ended fail instead of waiting forever."""
@@ -338,4 +348,16 @@ class AsyncLLMEngine:
             self.engine.check_integrity()
         except Exception as e:
             logger.exception("the engine is inconsistent after a failure")
-            self.dead_error = e
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The engine's state is unknown: refuse all work from now on and say so."""
+        self.dead_error = error
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put_threadsafe(EngineDeadError(f"the engine is dead: {error!r}"))
+        if self.on_dead is not None:
+            try:
+                self.on_dead(error)
+            except Exception:
+                logger.exception("the on_dead callback failed")

@@ -50,11 +50,23 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if seq.num_tokens >= capacity:
+        """Queue seq; ValueError if it could outgrow the whole KV cache.
+
+        A sequence that runs out of blocks while alone would preempt itself and be rescheduled
+        forever, so one that may need more slots than the cache has is refused up front.
+        """
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        max_tokens = seq.sampling_params.max_tokens
+        longest = self.config.max_model_len
+        if max_tokens is not None:
+            longest = min(longest, seq.num_tokens + max_tokens)
+        # The last token is sampled but never computed, so it takes no KV slot.
+        if bm.blocks_needed(longest - 1) > bm.num_blocks:
             raise ValueError(
-                f"prompt of {seq.num_tokens} tokens can never fit the KV cache "
-                f"({capacity} token slots); raise kv_cache_memory_bytes or shorten the prompt."
+                f"a request of {seq.num_tokens} prompt tokens that may grow to {longest} tokens "
+                f"can never fit the KV cache ({capacity} token slots); lower max_tokens, "
+                "shorten the prompt or raise kv_cache_memory_bytes."
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

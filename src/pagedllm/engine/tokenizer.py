@@ -28,3 +28,15 @@ def stop_token_ids_from_generation_config(model: str) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {eos}
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of text; ValueError for a string that is not valid Unicode (a lone surrogate,
+    which JSON's \\ud800 escapes allow) instead of the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"prompt is not valid UTF-8 text: {e.reason} at character {e.start}."
+        ) from e
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

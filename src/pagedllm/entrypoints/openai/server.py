@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineError,
 )
+from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,9 +60,14 @@ def build_app(
     served_model_names: Sequence[str] | None = None,
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
     log_stats_interval: float | None = 10.0,
+    api_key: str | None = None,
+    metrics_need_api_key: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
+    With ``api_key``, every route but /health (and /metrics unless ``metrics_need_api_key``)
+    wants ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes`` get a 413.
     ``app.state`` holds ``engine`` (AsyncLLMEngine), ``served_model``, ``metrics``
     (PrometheusStatLogger) and ``monitor`` (an InferenceMonitor on the same registry).
     """
@@ -90,6 +97,13 @@ def build_app(
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
     _add_error_handlers(app)
     _add_routes(app, engine, model, metrics)
+    open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
+    app.add_middleware(
+        RequestGuard,
+        api_key=api_key,
+        open_paths=open_paths,
+        max_request_bytes=max_request_bytes,
+    )
     return app
 
 
@@ -252,22 +266,57 @@ def run_server(
     engine_args: EngineArgs,
     host: str = "127.0.0.1",
     port: int = 8000,
-    served_model_names: Sequence[str] | None = None,
-    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-    log_stats_interval: float | None = 10.0,
     uvicorn_log_level: str = "info",
-) -> None:
-    """Load the model, print the startup block and serve until interrupted."""
+    graceful_shutdown_timeout: float = 30.0,
+    **app_options: Any,
+) -> int:
+    """Load the model, print the startup block and serve until stopped; app_options go to
+    ``build_app``. Returns the exit status.
+
+    Ctrl-C or SIGTERM stop accepting connections, let in-flight requests finish for up to
+    ``graceful_shutdown_timeout`` seconds, then exit with 0. If the engine dies (its state is
+    unknown after a failure), /health answers 503, requests are refused, and the server
+    stops with 1 rather than serve wrong results.
+    """
     sock = bind_socket(host, port)
+    died: list[BaseException] = []
+    previous = _stop_on_sigterm()
     try:
-        app = build_app(engine_args, served_model_names, max_waiting_requests, log_stats_interval)
+        app = build_app(engine_args, **app_options)
         print(startup_banner(app, host, sock.getsockname()[1]), flush=True)
-        config = uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        config = uvicorn.Config(
+            app, log_level=uvicorn_log_level, timeout_graceful_shutdown=graceful_shutdown_timeout
+        )
+        server = uvicorn.Server(config)
+
+        def on_dead(error: BaseException) -> None:
+            died.append(error)
+            server.should_exit = True  # uvicorn polls it: drain, lifespan shutdown, return
+
+        app.state.engine.on_dead = on_dead
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
-        pass  # uvicorn has shut down gracefully and re-raised Ctrl-C: a normal stop
+        pass  # uvicorn has shut down gracefully and re-raised Ctrl-C / SIGTERM: a normal stop
     finally:
         sock.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if died:
+        logger.critical("the engine died (%r); exiting with status 1", died[0])
+        return 1
+    return 0
+
+
+def _stop_on_sigterm() -> Any:
+    """Make SIGTERM stop the server as Ctrl-C does (uvicorn drains, then re-raises the signal
+    once it is done; it then lands here); the previous handler, or None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from pagedllm.engine.async_engine import (
 )
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.engine.outputs import RequestOutput, TokenLogprobs
+from pagedllm.engine.tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     DetokenizeRequest,
@@ -45,6 +46,9 @@ class ServingError(Exception):
     def __init__(
         self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None
     ) -> None:
+        # Messages may quote the request (a model name); a lone surrogate in it would make the
+        # error body impossible to encode as UTF-8, so it is written as an escape.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message = message
         self.status = status
@@ -92,8 +96,11 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
+        try:
+            return encode_text(self.tokenizer, text, add_special)
+        except ValueError as e:  # text that is not valid Unicode
+            raise ServingError(str(e), param=param) from e
 
     def render_chat(
         self,
@@ -104,6 +111,12 @@ class OpenAIServing:
         """The prompt text of a conversation, by the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServingError("the model's tokenizer has no chat template.", param="messages")
+        if template_kwargs and "chat_template" in template_kwargs:
+            # A template is code run on the event loop: a request may not bring its own.
+            raise ServingError(
+                "chat_template_kwargs may not replace the chat template.",
+                param="chat_template_kwargs",
+            )
         conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
@@ -185,10 +198,10 @@ class OpenAIServing:
             raise ServingError("give exactly one of prompt and messages.", param="prompt")
         if req.messages is not None:
             text = self.render_chat(req.messages, req.add_generation_prompt)
-            ids = self.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            ids = self.encode(text, bool(req.add_special_tokens), param="messages")
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self.encode(req.prompt or "", add_special_tokens=add)
+            ids = self.encode(req.prompt or "", add_special=add)
         return TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len, tokens=ids)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:

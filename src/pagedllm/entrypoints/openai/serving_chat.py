@@ -55,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         top = self._top_logprobs(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-        ids = self.encode(text, add_special_tokens=False)
+        ids = self.encode(text, add_special=False, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
         params = self.sampling_params(req, len(ids), max_tokens, top, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -1,0 +1,140 @@
+"""``pagedllm serve`` as a process: SIGTERM drains the requests in flight and exits 0; a fault
+that leaves the engine's state unknown makes the server exit 1 instead of serving on. Neither
+writes prompt text to its log at the default level."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import GREEDY, MODEL, sse_events
+from fault_server import POISON
+
+SECRET = "zebra-secret-prompt-7781"  # must never reach the log
+HERE = Path(__file__).parent
+
+
+def start_server(model: Path, step_delay: float) -> tuple[subprocess.Popen, str]:
+    """The serve command with faults installed, at default log levels; (process, base URL)."""
+    cmd = [
+        sys.executable,
+        str(HERE / "fault_server.py"),
+        str(step_delay),
+        "serve",
+        str(model),
+        "--port=0",
+        f"--served-model-name={MODEL}",
+        "--max-model-len=256",
+        "--kv-cache-memory-bytes=4194304",
+        "--graceful-shutdown-timeout=20",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PAGEDLLM_LOG_LEVEL", None)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, "the server exited during startup:\n" + "".join(lines)
+        lines.append(line)
+        match = re.search(r"URL\s+(http://\S+)/v1", line)
+        if match:
+            url = match.group(1)
+            break
+    else:
+        raise AssertionError("no startup block:\n" + "".join(lines))
+    while httpx.get(url + "/health", timeout=5).status_code != 200:  # uvicorn may lag the banner
+        time.sleep(0.05)
+    return proc, url
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, proc.stdout.read()
+
+
+@pytest.fixture()
+def cleanup():
+    procs: list[subprocess.Popen] = []
+    yield procs.append
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama, cleanup) -> None:
+    proc, url = start_server(tiny_llama, step_delay=0.02)  # 80 tokens take >= 1.6 s
+    cleanup(proc)
+    body = {"prompt": f"{SECRET} tell me", "max_tokens": 80, **GREEDY}
+    bad = httpx.post(url + "/v1/completions", json={**body, "temperature": -1})
+    assert bad.status_code == 400  # a refused prompt is not logged either
+    results: dict[str, object] = {}
+    started = threading.Semaphore(0)
+
+    def streamed(key: str) -> None:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            raw = ""
+            for chunk in r.iter_text():
+                if not raw:
+                    started.release()  # the first event: generating
+                raw += chunk
+        results[key] = sse_events(raw)
+
+    def plain(key: str) -> None:
+        results[key] = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+
+    workers = [threading.Thread(target=streamed, args=(f"s{i}",)) for i in range(3)]
+    workers += [threading.Thread(target=plain, args=(f"p{i}",)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for _ in range(3):
+        assert started.acquire(timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:  # new connections are refused at once while the others drain
+        try:
+            httpx.get(url + "/health", timeout=1)
+        except httpx.TransportError:
+            break
+        assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+        time.sleep(0.05)
+    assert any(w.is_alive() for w in workers)  # the drain had work left to do
+    for w in workers:
+        w.join(timeout=60)
+    code, log = finish(proc, timeout=30)
+    assert code == 0, log
+    for i in range(3):
+        events = results[f"s{i}"]
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert not any("error" in e for e in events[:-1])
+    for i in range(2):
+        assert results[f"p{i}"]["usage"]["completion_tokens"] == 80
+    assert "Traceback" not in log and SECRET not in log, log
+
+
+def test_unknown_engine_state_exits_1(tiny_llama, cleanup) -> None:
+    proc, url = start_server(tiny_llama, step_delay=0.0)
+    cleanup(proc)
+    ok = httpx.post(url + "/v1/completions", json={"prompt": SECRET, "max_tokens": 4})
+    assert ok.status_code == 200
+    poisoned = {"prompt": [POISON, 40, 41], "max_tokens": 4}
+    r = httpx.post(url + "/v1/completions", json=poisoned, timeout=60)
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    code, log = finish(proc, timeout=30)
+    assert code == 1, log
+    assert "the engine died" in log and SECRET not in log, log
