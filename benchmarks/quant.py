@@ -1,0 +1,218 @@
+"""int8 quantization: matmul kernels, engine decode throughput and weight memory (125M
+benchmark model, bf16), and accuracy on the demo model's held-out text.
+
+    python benchmarks/quant.py kernels            # per-layer matmul times at 32 / 256 rows
+    python benchmarks/quant.py engine             # decode tok/s at batch 32, weight memory
+    python benchmarks/quant.py engine --profile   # + where an int8 decode step spends its time
+    python benchmarks/quant.py accuracy           # perplexity / top-1 on held-out text
+    python benchmarks/quant.py                    # all three
+
+Every figure is a ratio against a baseline measured in the same run; engines are timed in
+interleaved rounds so that load from other processes hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import build_bench_model, default_model_dir, machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# (name, in_features, out_features) of the 125M model's matmuls
+SHAPES = [
+    ("qkv_proj", 768, 1280),
+    ("o_proj", 768, 768),
+    ("gate_up_proj", 768, 4096),
+    ("down_proj", 2048, 768),
+    ("lm_head", 768, 32000),
+]
+
+
+def _race(fns: dict[str, Callable[[], object]], rounds: int = 5) -> dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+def _kernel_row(name: str, k: int, n: int, m: int) -> str:
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization import DynamicQuantConfig
+
+    w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
+    layers = {}
+    for mode, active in (("w8a8", True), ("weight_only", False)):
+        layers[mode] = ReplicatedLinear(k, n, dtype=torch.bfloat16)
+        layers[mode].weight.data.copy_(w)
+        DynamicQuantConfig(enable_activation=active).apply(layers[mode])
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    xf, wf = x.float(), w.float()
+    xq, qw = (torch.randint(-127, 128, shape, dtype=torch.int8) for shape in ((m, k), (n, k)))
+    with torch.inference_mode():
+        t = _race(
+            {
+                "bf16": lambda: F.linear(x, w),
+                "fp32": lambda: F.linear(xf, wf),
+                "w8a8": lambda: layers["w8a8"](x),
+                "wo": lambda: layers["weight_only"](x),
+                "int_mm": lambda: torch._int_mm(xq, qw.t()),
+            }
+        )
+    ms = {key: f"{v * 1e3:.2f}" for key, v in t.items()}
+    return (
+        f"| {name} ({k} -> {n}) | {m} | {ms['bf16']} | {ms['fp32']} | {ms['w8a8']} "
+        f"| {ms['wo']} | {ms['int_mm']} | {t['bf16'] / t['w8a8']:.2f}x |"
+    )
+
+
+def bench_kernels(rows: list[int]) -> str:
+    lines = [
+        "| layer (K -> N) | rows | bf16 F.linear ms | fp32 F.linear ms | int8 w8a8 ms "
+        "| int8 weight-only ms | torch._int_mm ms | w8a8 speed-up vs bf16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, k, n in SHAPES:
+        for m in rows if name != "lm_head" else [r for r in rows if r <= 256]:
+            lines.append(_kernel_row(name, k, n, m))
+    return "\n".join(lines)
+
+
+# ---- engine decode throughput ----------------------------------------------------------------
+ENGINES = {
+    "bf16": dict(dtype="bfloat16"),
+    "int8 (w8a8)": dict(dtype="bfloat16", quantization="int8"),
+    "int8 weight-only": dict(dtype="bfloat16", quantization="int8", quant_activation=False),
+    "fp32": dict(dtype="float32"),
+}
+
+
+def _start_decoding(model: Path, kwargs: dict, batch: int, prompt_len: int, tokens: int):  # noqa: ANN202
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    args = EngineArgs(model=str(model), kv_cache_memory_bytes=256 << 20, **kwargs)
+    engine = LLMEngine.from_engine_args(args, skip_tokenizer_init=True)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        prompt = [rng.randrange(3, 32000) for _ in range(prompt_len)]
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.scheduler_stats().num_waiting:  # prefill; every sequence then decodes
+        engine.step()
+    engine.step()
+    return engine
+
+
+def bench_engine(model: Path, batch: int, steps: int, rounds: int, profile: bool) -> str:
+    from pagedllm.layers.quantization import weight_bytes
+
+    engines = {
+        name: _start_decoding(model, kw, batch, 16, rounds * steps + 4)
+        for name, kw in ENGINES.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times[name].append((time.perf_counter() - start) / steps)
+    step = {name: statistics.median(t) for name, t in times.items()}
+    memory = {n: weight_bytes(e.executor.runner.model) for n, e in engines.items()}
+    lines = [
+        f"decode at batch {batch}: {rounds} interleaved rounds of {steps} steps, median step",
+        "",
+        "| engine | step ms | decode tok/s | vs bf16 | weight MB | weight vs bf16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in engines:
+        lines.append(
+            f"| {name} | {step[name] * 1e3:.1f} | {batch / step[name]:.1f} "
+            f"| {step['bf16'] / step[name]:.2f}x | {memory[name] / 1e6:.1f} "
+            f"| {memory[name] / memory['bf16']:.3f}x |"
+        )
+    if profile:
+        lines += ["", _profile_step(engines["int8 (w8a8)"]), "", _profile_step(engines["bf16"])]
+    for engine in engines.values():
+        engine.shutdown()
+    return "\n".join(lines)
+
+
+def _profile_step(engine) -> str:  # noqa: ANN001
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            engine.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return "```\n" + table + "```"
+
+
+# ---- accuracy --------------------------------------------------------------------------------
+def heldout_ids(model: Path) -> list[int]:
+    """The demo model's held-out documents, packed as in training (<s> doc </s> ...)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_demo_model as demo
+    from transformers import AutoTokenizer
+
+    _, heldout = demo.split_corpus(demo.build_corpus())
+    return demo.pack_documents(AutoTokenizer.from_pretrained(str(model)), heldout).tolist()
+
+
+def bench_accuracy(model: Path, dtype: str, window: int, max_tokens: int | None) -> str:
+    from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.quantize_cli import evaluate, format_report
+
+    args = EngineArgs(model=str(model), dtype=dtype, kv_cache_memory_bytes=256 << 20)
+    report = evaluate(args, heldout_ids(model), window, max_tokens)
+    return f"model {model.name}, dtype {dtype}, windows of {window} tokens\n\n" + format_report(
+        report
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", default=["kernels", "engine", "accuracy"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--model-dir", type=Path, default=None, help="125M model folder")
+    parser.add_argument("--demo-model", type=Path, default=ROOT / "models" / "pagedllm-demo")
+    parser.add_argument("--accuracy-dtype", default="float32")
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (shared machine)")
+    ns = parser.parse_args()
+    torch.set_num_threads(ns.threads)
+    print(f"machine: {machine()}\n")
+    if "kernels" in ns.parts:
+        print(bench_kernels(ns.rows), "\n", flush=True)
+    if "engine" in ns.parts:
+        model = build_bench_model(ns.model_dir or default_model_dir())
+        print(bench_engine(model, ns.batch, ns.steps, ns.rounds, ns.profile), "\n", flush=True)
+    if "accuracy" in ns.parts:
+        print(bench_accuracy(ns.demo_model, ns.accuracy_dtype, ns.window, ns.max_tokens))
+
+
+if __name__ == "__main__":
+    main()
