@@ -7,9 +7,16 @@ import platform
 from pathlib import Path
 
 BENCH_125M = dict(
-    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-    num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
 )
 
 
@@ -43,5 +50,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
+    return (
+        f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
+    )

@@ -41,8 +41,7 @@ def make_workload(name: str, seed: int = 0, vocab: int = 32000) -> list[Request]
         return [Request(tok(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(64)]
     if name == "shared-prefix":
         system = tok(256)
-        return [Request(system + tok(rng.randint(16, 64)), rng.randint(32, 128))
-                for _ in range(64)]
+        return [Request(system + tok(rng.randint(16, 64)), rng.randint(32, 128)) for _ in range(64)]
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -52,8 +51,10 @@ def run_pagedllm(model_dir: Path, reqs: list[Request], engine_kwargs: dict) -> t
     start = time.perf_counter()
     llm = LLM(str(model_dir), skip_tokenizer_init=True, **engine_kwargs)
     ready = time.perf_counter() - start
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
-                             detokenize=False) for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
+        for r in reqs
+    ]
     llm.generate([reqs[0].prompt[:8]], params[0].clone_for_child(0), use_tqdm=False)  # warm-up
     llm.llm_engine.block_manager.reset_prefix_cache()
     start = time.perf_counter()
@@ -61,8 +62,11 @@ def run_pagedllm(model_dir: Path, reqs: list[Request], engine_kwargs: dict) -> t
     elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
     bm = llm.llm_engine.block_manager
-    info = {"ready_s": ready, "prefix_hits": bm.prefix_cache_hits,
-            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+    info = {
+        "ready_s": ready,
+        "prefix_hits": bm.prefix_cache_hits,
+        "preemptions": llm.llm_engine.scheduler.num_preemptions,
+    }
     return elapsed, info
 
 
@@ -80,8 +84,14 @@ def run_hf(model_dir: Path, reqs: list[Request], batch_size: int, dtype: str) ->
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
         new = max(r.output_len for r in batch)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         assert out.shape[1] == width + new
     return time.perf_counter() - start
 
@@ -100,10 +110,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write results as JSON")
     args = ap.parse_args()
     model_dir = args.model or build_bench_model(default_model_dir())
-    engine_kwargs = dict(dtype=args.dtype, block_size=args.block_size,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         attention_backend=args.attention_backend)
+    engine_kwargs = dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    )
     print(f"machine: {machine()}\nmodel: {model_dir}\nengine: {engine_kwargs}")
     results = {}
     for name in args.workloads:
@@ -117,25 +130,39 @@ def main() -> None:
             hf[bs] = run_hf(model_dir, reqs, bs, args.dtype)
             print(f"[{name}] HF batch {bs}: {hf[bs]:.1f} s", flush=True)
         best_bs = min(hf, key=hf.get)
-        row = {"requests": len(reqs), "output_tokens": out_tokens, "total_tokens": total_tokens,
-               "pagedllm_s": t_ours, "pagedllm_out_tok_s": out_tokens / t_ours,
-               "pagedllm_total_tok_s": total_tokens / t_ours, **info,
-               "hf_s": {str(k): v for k, v in hf.items()}, "hf_best_batch": best_bs,
-               "hf_out_tok_s": out_tokens / hf[best_bs], "ratio": hf[best_bs] / t_ours}
+        row = {
+            "requests": len(reqs),
+            "output_tokens": out_tokens,
+            "total_tokens": total_tokens,
+            "pagedllm_s": t_ours,
+            "pagedllm_out_tok_s": out_tokens / t_ours,
+            "pagedllm_total_tok_s": total_tokens / t_ours,
+            **info,
+            "hf_s": {str(k): v for k, v in hf.items()},
+            "hf_best_batch": best_bs,
+            "hf_out_tok_s": out_tokens / hf[best_bs],
+            "ratio": hf[best_bs] / t_ours,
+        }
         results[name] = row
         print(f"\n[{name}] {len(reqs)} requests, {out_tokens} output / {total_tokens} total tokens")
-        print(f"  pagedllm     {t_ours:8.1f} s  {out_tokens / t_ours:8.1f} out tok/s  "
-              f"{total_tokens / t_ours:8.1f} total tok/s  (ready in {info['ready_s']:.2f} s, "
-              f"prefix hits {info['prefix_hits']}, preemptions {info['preemptions']})")
+        print(
+            f"  pagedllm     {t_ours:8.1f} s  {out_tokens / t_ours:8.1f} out tok/s  "
+            f"{total_tokens / t_ours:8.1f} total tok/s  (ready in {info['ready_s']:.2f} s, "
+            f"prefix hits {info['prefix_hits']}, preemptions {info['preemptions']})"
+        )
         for bs, t in hf.items():
-            print(f"  HF batch {bs:<3} {t:8.1f} s  {out_tokens / t:8.1f} out tok/s  "
-                  f"{total_tokens / t:8.1f} total tok/s")
+            print(
+                f"  HF batch {bs:<3} {t:8.1f} s  {out_tokens / t:8.1f} out tok/s  "
+                f"{total_tokens / t:8.1f} total tok/s"
+            )
         print(f"  ratio to HF (batch {best_bs}): {row['ratio']:.2f}x")
     print("\n| workload | pagedllm out tok/s | HF best out tok/s | ratio |")
     print("|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['pagedllm_out_tok_s']:.1f} | {r['hf_out_tok_s']:.1f} "
-              f"(batch {r['hf_best_batch']}) | {r['ratio']:.2f}x |")
+        print(
+            f"| {name} | {r['pagedllm_out_tok_s']:.1f} | {r['hf_out_tok_s']:.1f} "
+            f"(batch {r['hf_best_batch']}) | {r['ratio']:.2f}x |"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.plot:

@@ -22,7 +22,17 @@ _EXPORTS = {
     "Logprob": "pagedllm.engine.outputs",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [  # noqa: RUF022 - the order of _EXPORTS
+    "LLM",
+    "EngineArgs",
+    "LLMEngine",
+    "AsyncLLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from tp_helpers import BASE, generate_both_ways, hf_greedy, random_prompts
 
@@ -92,7 +93,8 @@ def test_two_nodes_meet_at_master_port(model_factory):
         str(model_dir),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        PYTHONPATH=os.path.dirname(__file__),
+        # tp_helpers and the hf_oracle module it imports
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), str(Path(__file__).parents[1])]),
     )
     try:
         llm = LLM(str(model_dir), tensor_parallel_size=2, nnodes=2, master_port=port, **BASE)

@@ -17,13 +17,18 @@ def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
 
 
 def test_engine_core_does_not_import_torch():
-    for name in ("pagedllm.engine.block_manager", "pagedllm.engine.scheduler",
-                 "pagedllm.engine.sequence"):
+    for name in (
+        "pagedllm.engine.block_manager",
+        "pagedllm.engine.scheduler",
+        "pagedllm.engine.sequence",
+    ):
         assert name in sys.modules
     import subprocess
 
-    code = ("import sys, pagedllm.engine.scheduler, pagedllm.engine.block_manager;"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, pagedllm.engine.scheduler, pagedllm.engine.block_manager;"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

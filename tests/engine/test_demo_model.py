@@ -25,6 +25,11 @@ def test_greedy_matches_hf_on_the_demo_model():
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(DEMO, prompts, 24)
-    text = llm.generate(["The list type"], SamplingParams(temperature=0.0, max_tokens=24),
-                        use_tqdm=False)[0].outputs[0].text
+    text = (
+        llm.generate(
+            ["The list type"], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert len(text.split()) >= 3  # it writes words, not noise

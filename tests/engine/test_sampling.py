@@ -19,8 +19,9 @@ def make_seq(seq_id: int, prompt: list[int], output: list[int], **params) -> Seq
 
 @pytest.fixture(scope="module")
 def llm(model_factory):
-    return LLM(str(model_factory("llama")), dtype="float32", block_size=4,
-               kv_cache_memory_bytes=1 << 20)
+    return LLM(
+        str(model_factory("llama")), dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20
+    )
 
 
 def test_top_k_keeps_exactly_k():
@@ -45,8 +46,9 @@ def test_min_p_drops_tokens_below_share_of_top():
 
 def test_penalties_match_reference():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    seq = make_seq(0, [0], [3, 3, 2], repetition_penalty=2.0, frequency_penalty=0.5,
-                   presence_penalty=0.25)
+    seq = make_seq(
+        0, [0], [3, 3, 2], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
     got = apply_penalties(logits.clone(), [seq])
     # repetition on prompt+output tokens {0, 2, 3}; then frequency/presence on output {3: 2, 2: 1}
     want = torch.tensor([[1.0, -1.0, 0.25 - 0.5 - 0.25, 1.5 - 1.0 - 0.25]])
@@ -69,8 +71,11 @@ def test_seeded_requests_repeat_and_differ_by_seed(llm):
     a = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
     others = [[9, 10, 11], [12, 13]]
     b = llm.generate([prompt, *others], p, use_tqdm=False)[0].outputs[0].token_ids
-    c = llm.generate([prompt], SamplingParams(temperature=1.0, seed=124, max_tokens=12,
-                                              ignore_eos=True), use_tqdm=False)
+    c = llm.generate(
+        [prompt],
+        SamplingParams(temperature=1.0, seed=124, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert a == b
     assert c[0].outputs[0].token_ids != a
 
@@ -80,15 +85,24 @@ def test_stop_string_cuts_text_and_sets_reason(llm):
     full = llm.generate(["The quick"], params, use_tqdm=False)[0].outputs[0]
     assert len(full.text) > 6
     stop = full.text[3:6]
-    cut = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=30,
-                                                     ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        ["The quick"],
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[: full.text.index(stop)]
-    kept = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=30,
-                                                      ignore_eos=True, stop=[stop],
-                                                      include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        ["The quick"],
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=30,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
@@ -97,14 +111,19 @@ def test_stop_token_ids_and_min_tokens(llm):
     full = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
     stop_tok = full[4]
     first = full.index(stop_tok)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=20,
-                                                   stop_token_ids=[stop_tok]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == full[: first + 1] and out.stop_reason == stop_tok
-    late = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=20,
-                                                    stop_token_ids=[stop_tok],
-                                                    min_tokens=first + 2),
-                        use_tqdm=False)[0].outputs[0]
+    late = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(
+            temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok], min_tokens=first + 2
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert stop_tok not in late.token_ids[: first + 2]
 
 
@@ -112,9 +131,13 @@ def test_logprobs_match_hf_log_softmax(llm, model_factory):
     from transformers import AutoModelForCausalLM
 
     prompt = [5, 17, 33, 90]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3,
-                                                prompt_logprobs=2, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )[0]
     comp = out.outputs[0]
     hf = AutoModelForCausalLM.from_pretrained(str(model_factory("llama")), dtype=torch.float32)
     ids = torch.tensor([prompt + comp.token_ids])
@@ -133,11 +156,24 @@ def test_logprobs_match_hf_log_softmax(llm, model_factory):
         assert abs(out.prompt_logprobs[j][prompt[j]].logprob - ref[j - 1][prompt[j]].item()) < 1e-4
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
-    ("n", 0), ("max_tokens", 0), ("logprobs", 50), ("presence_penalty", 3.0),
-    ("repetition_penalty", 0.0), ("stop", [""]), ("temperature", "hot"), ("n", True),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("logprobs", 50),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("stop", [""]),
+        ("temperature", "hot"),
+        ("n", True),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -189,6 +225,5 @@ def test_failing_model_step_fails_only_its_requests(llm, monkeypatch):
     assert all(o.finished and o.outputs[0].finish_reason == "error" for o in failed)
     assert "boom" in failed[0].error
     engine.check_integrity()
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4 and engine.block_manager.usage == 0.0

@@ -11,10 +11,15 @@ from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_seqs=8, max_tokens=32, chunked=True,
-                   caching=True) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
-                             max_model_len=512, enable_chunked_prefill=chunked)
+def make_scheduler(
+    num_blocks=64, block_size=4, max_seqs=8, max_tokens=32, chunked=True, caching=True
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_tokens,
+        max_model_len=512,
+        enable_chunked_prefill=chunked,
+    )
     return Scheduler(config, BlockManager(num_blocks, block_size, caching))
 
 

@@ -289,13 +289,15 @@ class LLMEngine:
         """The executor lost the KV state of every running sequence: end their requests with
         finish_reason "error", free their blocks and forget the prefix cache built on them."""
         logger.error("model execution lost its state: %s", message)
-        outputs = self._fail_requests({s.request_id for s in self.scheduler.running}, message,
-                                      iteration)
+        outputs = self._fail_requests(
+            {s.request_id for s in self.scheduler.running}, message, iteration
+        )
         self.block_manager.reset_prefix_cache()  # nothing holds blocks now
         return outputs
 
-    def _fail_requests(self, request_ids: set[str], message: str,
-                       iteration: IterationStats) -> list[RequestOutput]:
+    def _fail_requests(
+        self, request_ids: set[str], message: str, iteration: IterationStats
+    ) -> list[RequestOutput]:
         """End these requests with finish_reason "error" and free their blocks."""
         now = time.time()
         results = []
