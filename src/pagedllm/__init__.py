@@ -17,9 +17,9 @@ _EXPORTS = {
     "LLMEngine": "pagedllm.engine.llm_engine",
     "AsyncLLMEngine": "pagedllm.engine.async_engine",
     "SamplingParams": "pagedllm.sampling_params",
-    "RequestOutput": "pagedllm.engine.outputs",
-    "CompletionOutput": "pagedllm.engine.outputs",
-    "Logprob": "pagedllm.engine.outputs",
+    "RequestOutput": "pagedllm.core.outputs",
+    "CompletionOutput": "pagedllm.core.outputs",
+    "Logprob": "pagedllm.core.outputs",
 }
 
 __all__ = [  # noqa: RUF022 - the order of _EXPORTS
@@ -43,8 +43,8 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineArgs
+    from pagedllm.core.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams

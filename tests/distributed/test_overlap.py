@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from pagedllm.config import EngineArgs, ParallelConfig
+from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import OverlapCommunicator
 from pagedllm.distributed.overlap import split_batch
 from pagedllm.distributed.parallel_state import placement
-from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.multiproc_executor import StepInput

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.sequence import Sequence
+from pagedllm.core.sequence import Sequence
 from pagedllm.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagedllm.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagedllm.metrics import InferenceMonitor, LoggingStatLogger, PrometheusStatLogger
 from pagedllm.metrics.prometheus import token_buckets
 

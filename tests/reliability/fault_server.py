@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 
 POISON = 3  # first prompt token of the requests that trigger a fault
 

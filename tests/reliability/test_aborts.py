@@ -16,8 +16,8 @@ import pytest
 from conftest import BLOCK_BYTES, GREEDY, assert_no_leak, engine_args, greedy, run_to_end
 
 from pagedllm import SamplingParams
+from pagedllm.core.sequence import Sequence, SequenceStatus
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 TIGHT = dict(
     kv_cache_memory_bytes=12 * BLOCK_BYTES,  # 192 token slots for ~400 tokens of work

@@ -12,7 +12,7 @@ import pytest
 from conftest import GREEDY, engine_args, sse_events
 from fault_server import POISON, corrupt_and_raise, poisoned
 
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 
 BODY = {"prompt": [20, 21, 22, 23], "max_tokens": 12, **GREEDY}
 POISONED = {**BODY, "prompt": [POISON, 21, 22, 23]}

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -10,17 +10,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.request_state import RequestState
-from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.engine.stats import (
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.sequence import Sequence, SequenceStatus
+from pagedllm.core.stats import (
     FinishedRequestStats,
     IterationStats,
     SchedulerStats,
     StatLogger,
 )
+from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.tokenizer import (
     encode_text,
     load_tokenizer,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from pagedllm.core.sequence import Sequence
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 
 

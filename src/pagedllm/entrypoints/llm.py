@@ -10,8 +10,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 

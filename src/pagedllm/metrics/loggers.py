@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from pagedllm.engine.stats import IterationStats, SchedulerStats
+from pagedllm.core.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("pagedllm.stats")
 

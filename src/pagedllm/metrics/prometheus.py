@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedllm.engine.stats import IterationStats, SchedulerStats
+from pagedllm.core.stats import IterationStats, SchedulerStats
 
 PREFIX = "pagedllm:"
 

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.outputs import Logprob, TokenLogprobs
-from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.engine.sequence import Sequence
+from pagedllm.core.outputs import Logprob, TokenLogprobs
+from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.sequence import Sequence
 from pagedllm.partition.profiler import LinkProfile
 from pagedllm.partition.transport import (
     PeerLostError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.worker.model_runner import KVCacheSpec, ModelOutput, ModelRunner
 
 

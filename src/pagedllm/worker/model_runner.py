@@ -15,9 +15,9 @@ import torch
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata, ForwardContext
 from pagedllm.config import EngineConfig, default_kv_cache_bytes
+from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
-from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.engine.sequence import Sequence
 from pagedllm.models.loader import DTYPES, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import Sampler, TokenLogprobs, gather_logprobs

@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.communicator import OverlapCommunicator
 from pagedllm.distributed.overlap import split_batch
 from pagedllm.distributed.parallel_state import (
@@ -47,7 +48,6 @@ from pagedllm.distributed.parallel_state import (
     placement,
     rendezvous,
 )
-from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.worker.executor import Executor
 from pagedllm.worker.model_runner import KVCacheSpec, ModelInput, ModelOutput, ModelRunner
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.engine.outputs import Logprob, TokenLogprobs
-from pagedllm.engine.sequence import Sequence
+from pagedllm.core.outputs import Logprob, TokenLogprobs
+from pagedllm.core.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from pagedllm.core.outputs import RequestOutput, TokenLogprobs
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -22,7 +23,6 @@ from pagedllm.engine.async_engine import (
     RequestStream,
 )
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.engine.outputs import RequestOutput, TokenLogprobs
 from pagedllm.engine.tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,

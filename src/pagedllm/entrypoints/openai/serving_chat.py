@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.engine.outputs import TokenLogprobs
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedllm.core.outputs import CompletionOutput, TokenLogprobs
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.engine.outputs import CompletionOutput, TokenLogprobs
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
 
 

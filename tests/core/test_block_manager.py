@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.sequence import Sequence
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -18,15 +18,15 @@ def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
 
 def test_engine_core_does_not_import_torch():
     for name in (
-        "pagedllm.engine.block_manager",
-        "pagedllm.engine.scheduler",
-        "pagedllm.engine.sequence",
+        "pagedllm.core.block_manager",
+        "pagedllm.core.scheduler",
+        "pagedllm.core.sequence",
     ):
         assert name in sys.modules
     import subprocess
 
     code = (
-        "import sys, pagedllm.engine.scheduler, pagedllm.engine.block_manager;"
+        "import sys, pagedllm.core.scheduler, pagedllm.core.block_manager;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -89,7 +89,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru_tail_first():
 
 
 def test_hit_rechecks_tokens_on_hash_collision(monkeypatch):
-    import pagedllm.engine.block_manager as bm_mod
+    import pagedllm.core.block_manager as bm_mod
 
     monkeypatch.setattr(bm_mod, "hash_block", lambda parent, tokens: 7)  # everything collides
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)

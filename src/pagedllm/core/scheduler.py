@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

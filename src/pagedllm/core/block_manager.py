@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagedllm.engine.sequence import Sequence
+from pagedllm.core.sequence import Sequence
 
 
 @dataclass(eq=False)
