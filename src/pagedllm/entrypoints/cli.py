@@ -200,12 +200,31 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, _help) in SUBCOMMANDS.items():
         try:
             mod = importlib.import_module(module)
-        except ImportError as e:  # an optional extra that is not installed
-            subparsers.add_parser(name, help=f"{_help} (unavailable: {e.name} missing)")
+        except ImportError as e:  # a dependency is missing: say which, whatever the flags
+            _add_unavailable(subparsers, name, _help, e.name or str(e))
             continue
         adder: Callable = mod.add_parser
         adder(subparsers, name)
     return parser
+
+
+def _add_unavailable(
+    subparsers: argparse._SubParsersAction, name: str, help_text: str, missing: str
+) -> None:
+    """A subcommand whose module cannot be imported: it takes any arguments and explains."""
+    p = subparsers.add_parser(name, help=f"{help_text} (unavailable: {missing} missing)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def explain(ns: argparse.Namespace) -> int:
+        print(
+            f"error: `pagedllm {name}` needs the Python package {missing!r}, which is not "
+            f"installed. Install it with `pip install {missing}` (or reinstall pagedllm: "
+            "`pip install -c constraints.txt -e .` installs every dependency).",
+            file=sys.stderr,
+        )
+        return 1
+
+    p.set_defaults(func=explain)
 
 
 def _version() -> str:

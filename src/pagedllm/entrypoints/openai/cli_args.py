@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
@@ -26,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         nargs="+",
         default=None,
         help="name(s) clients use for the model; the first is reported "
-        "(default: the model folder as given, or the bundled model's name)",
+        "(default: the model folder as given, so that clients find its tokenizer there, "
+        "and the folder's name)",
     )
     server.add_argument(
         "--max-waiting-requests",
@@ -87,15 +87,13 @@ def _serve(ns: argparse.Namespace) -> int:
         from pagedllm.entrypoints.partition_cli import run_cloud_worker
 
         return run_cloud_worker(args)
-    explicit = bool(getattr(ns, "model_pos", None) or ns.model)
-    names = ns.served_model_name or [args.model if explicit else Path(args.model).name]
     return run_server(
         args,
         host=ns.host,
         port=ns.port,
         uvicorn_log_level=ns.uvicorn_log_level,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
-        served_model_names=names,
+        served_model_names=ns.served_model_name,
         max_waiting_requests=ns.max_waiting_requests,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
         api_key=ns.api_key,

@@ -2,15 +2,36 @@
 
 Beyond OpenAI's fields the requests accept vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, ...). Unknown fields are ignored, as OpenAI and vLLM do.
-Ranges are not repeated here: SamplingParams checks them and names the field.
+Requests are strict where OpenAI's types are (no "yes" for a boolean, no true for a token id)
+and state their ranges here, so that /openapi.json says what the server accepts. The few
+rules that tie two fields together are listed in CROSS_FIELD_RULES and answered with a 400
+whose ``code`` names the rule.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from pagedllm.sampling_params import MAX_LOGPROBS
+
+# Error codes of the 400s no single field's schema can rule out (documented in /openapi.json).
+CROSS_FIELD_RULES = {
+    "context_length_exceeded": "the prompt plus max_tokens exceed the model's context length",
+    "min_tokens_exceed_max_tokens": "min_tokens is larger than max_tokens",
+    "top_logprobs_without_logprobs": "top_logprobs > 0 needs logprobs: true (chat)",
+    "prompt_or_messages": "/tokenize takes exactly one of prompt and messages",
+    "chat_template_error": "the model's chat template refused the conversation",
+}
+# Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
+TOKEN_ID_MARK = "x-token-id"
+MAX_N = 128  # most choices per prompt (OpenAI's limit); the engine enforces the same
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - MAX_N  # seed .. seed + n - 1 must be 64-bit integers
+
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 def _now() -> int:
@@ -19,6 +40,12 @@ def _now() -> int:
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequest(BaseModel):
+    """A request body: strict types (OpenAI's), unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -34,66 +61,100 @@ class ErrorResponse(OpenAIModel):
 
 
 # ---- shared request fields ---------------------------------------------------------------
-class StreamOptions(OpenAIModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False  # end the stream with a chunk that carries usage
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat completions."""
 
     model: str | None = None  # None: the served model
-    n: int = 1
-    temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0, as OpenAI
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=0, description="not supported: only an empty object"
+    )
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
 
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None  # top logprobs per token
+    prompt: (
+        NonEmptyStr
+        | PromptIds
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | (Annotated[list[PromptIds], Field(min_length=1)])
+    )
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo: score the prompt only")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: None = Field(None, description="not supported (always n)")
+    suffix: None = Field(None, description="not supported")
 
 
-class TextPart(OpenAIModel):
-    type: str
-    text: str | None = None
+class TextPart(OpenAIRequest):
+    type: Literal["text"]
+    text: str
 
 
-class ChatMessage(OpenAIModel):
-    role: str
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(OpenAIRequest):
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text"]  # structured outputs are not served
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = Field(None, max_length=0, description="not supported")
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="extra variables of the chat template (chat_template, tokenize, "
+        "conversation, messages and add_generation_prompt are not allowed)",
+        json_schema_extra={
+            "propertyNames": {
+                "not": {
+                    "enum": [
+                        "chat_template",
+                        "tokenize",
+                        "conversation",
+                        "messages",
+                        "add_generation_prompt",
+                    ]
+                }
+            }
+        },
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -206,12 +267,12 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     """Either a prompt (completions) or messages (chat, rendered by the chat template)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # None: True for prompts, False for messages
     add_generation_prompt: bool = True
 
@@ -222,9 +283,9 @@ class TokenizeResponse(OpenAIModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIModel):

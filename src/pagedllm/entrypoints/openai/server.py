@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import socket
 import threading
@@ -32,19 +33,33 @@ from pagedllm.engine.async_engine import (
     EngineError,
 )
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from pagedllm.entrypoints.openai.openapi import (
+    CHAT_RESPONSES,
+    COMPLETION_RESPONSES,
+    ERRORS,
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    MODEL_RESPONSES,
+    HealthResponse,
+    VersionResponse,
+    install_openapi,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving import (
     ClientDisconnected,
     OpenAIServing,
     ServedModel,
     ServingError,
+    model_not_found,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -98,6 +113,8 @@ def build_app(
     _add_error_handlers(app)
     _add_routes(app, engine, model, metrics)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
+    vocab_size = engine.engine.config.model.hf_config.vocab_size
+    install_openapi(app, vocab_size, open_paths if api_key is not None else None)
     app.add_middleware(
         RequestGuard,
         api_key=api_key,
@@ -108,10 +125,14 @@ def build_app(
 
 
 def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedModel:
+    """The served names: as given, else the model folder as given (clients that load the
+    tokenizer, such as lm-evaluation-harness, find it there, as with vLLM) and its name."""
     config = engine.engine.config.model
+    path = os.path.abspath(config.model)
+    default = [config.model, os.path.basename(os.path.normpath(config.model))]
     return ServedModel(
-        names=list(names) if names else [config.model],
-        path=config.model,
+        names=list(dict.fromkeys(names or default)),
+        path=path,
         max_model_len=config.max_model_len,
     )
 
@@ -144,7 +165,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _json(ServingError(str(e.detail), status=e.status_code).to_response(), e.status_code)
+        # The exception's headers matter: a 405 lists the allowed methods in Allow.
+        error = ServingError(str(e.detail), status=e.status_code)
+        response = _json(error.to_response(), e.status_code)
+        response.headers.update(e.headers or {})
+        return response
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, e: EngineError) -> JSONResponse:
@@ -177,45 +202,51 @@ def _add_routes(
     completion = OpenAIServingCompletion(engine, model)
     chat = OpenAIServingChat(engine, model)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", responses=HEALTH_RESPONSES)
+    async def health() -> JSONResponse:
+        """200 once the engine serves; 503 if it died (nothing listens before it is ready)."""
         if engine.errored:
-            return _json(
-                ServingError(f"engine is dead: {engine.dead_error}", status=503).to_response(), 503
-            )
-        return Response(status_code=200)
+            error = ServingError(f"engine is dead: {engine.dead_error}", status=503)
+            return _json(error.to_response(), 503)
+        return _json(HealthResponse(status="ok"))
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus_metrics() -> Response:
+        """The Prometheus text exposition of the engine's and the application's metrics."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        cards = [
-            ModelCard(id=name, root=model.path, max_model_len=model.max_model_len)
-            for name in model.names
-        ]
-        return _json(ModelList(data=cards))
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=model.path, max_model_len=model.max_model_len)
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models() -> JSONResponse:
+        return _json(ModelList(data=[card(name) for name in model.names]))
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=MODEL_RESPONSES)
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        if not model.serves(model_id):
+            raise model_not_found(model_id, model)
+        return _json(card(model_id))
+
+    @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         result = await completion.create(req, raw)
         return result if isinstance(result, Response) else _json(result)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         result = await chat.create(req, raw)
         return result if isinstance(result, Response) else _json(result)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=MODEL_RESPONSES)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         return _json(base.tokenize(req))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=MODEL_RESPONSES)
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         return _json(base.detokenize(req))
 

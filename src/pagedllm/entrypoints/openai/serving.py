@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Sequence
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -76,6 +78,16 @@ class ServedModel:
     def name(self) -> str:
         return self.names[0]
 
+    def serves(self, name: str) -> bool:
+        """A served name, or a path of the model folder (clients that load its tokenizer
+        may send the folder as they know it: relative, absolute, with a trailing slash)."""
+        if name in self.names:
+            return True
+        try:
+            return os.path.isdir(name) and os.path.samefile(name, self.path)
+        except (OSError, ValueError):  # a name no file system path can have
+            return False
+
 
 class OpenAIServing:
     """Base of the completion and chat handlers: one engine, one served model."""
@@ -84,17 +96,14 @@ class OpenAIServing:
         self.engine = engine
         self.model = model
         self.tokenizer = engine.get_tokenizer()
+        self.vocab_size: int = engine.engine.config.model.hf_config.vocab_size
         self._token_texts: dict[int, str] = {}
 
     # ---- request checks ------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model.names:
-            raise ServingError(
-                f"The model `{name}` does not exist; this server serves "
-                f"{', '.join(repr(n) for n in self.model.names)}.",
-                param="model",
-                code="model_not_found",
-            )
+        """A 404 (OpenAI's answer) unless name is None or a name of the served model."""
+        if name is not None and not self.model.serves(name):
+            raise model_not_found(name, self.model)
 
     def encode(self, text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
         try:
@@ -110,11 +119,17 @@ class OpenAIServing:
     ) -> str:
         """The prompt text of a conversation, by the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ServingError("the model's tokenizer has no chat template.", param="messages")
-        if template_kwargs and "chat_template" in template_kwargs:
-            # A template is code run on the event loop: a request may not bring its own.
             raise ServingError(
-                "chat_template_kwargs may not replace the chat template.",
+                "the model's tokenizer has no chat template.",
+                param="messages",
+                code="chat_template_error",
+            )
+        reserved = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            # A template is code run on the event loop: a request may not bring its own, nor
+            # replace the arguments the server passes.
+            raise ServingError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}.",
                 param="chat_template_kwargs",
             )
         conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
@@ -126,7 +141,11 @@ class OpenAIServing:
                 **(template_kwargs or {}),
             )
         except Exception as e:  # a template error is the request's fault (roles, fields)
-            raise ServingError(f"cannot apply the chat template: {e}", param="messages") from e
+            raise ServingError(
+                f"cannot apply the chat template: {e}",
+                param="messages",
+                code="chat_template_error",
+            ) from e
 
     def sampling_params(
         self,
@@ -135,10 +154,18 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str = "prompt",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams of a request, after the context-length check; errors are 400s."""
         if req.logit_bias:
             raise ServingError("logit_bias is not supported.", param="logit_bias")
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise ServingError(
+                f"min_tokens must be at most max_tokens={max_tokens}, got {req.min_tokens}.",
+                param="min_tokens",
+                code="min_tokens_exceed_max_tokens",
+            )
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         limit = self.model.max_model_len
         wanted = prompt_len + (max_tokens or 1)
         if wanted > limit:
@@ -166,6 +193,7 @@ class OpenAIServing:
                 max_tokens=limit - prompt_len if max_tokens is None else max_tokens,
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )
@@ -173,6 +201,22 @@ class OpenAIServing:
             raise bad_request(e, req) from e
 
     # ---- running requests ----------------------------------------------------------------
+    async def respond(
+        self,
+        raw: Request,
+        request_id: str,
+        prompts: Sequence[tuple[PromptType, SamplingParams]],
+        stream: bool,
+        events: Callable[[list[RequestStream]], AsyncIterator[str]],
+    ) -> list[RequestOutput] | StreamingResponse:
+        """Queue one engine request per prompt; then either the server-sent events that
+        ``events(streams)`` writes (ended by an error event if needed and ``[DONE]``), or
+        the final output of each request, aborted if the client goes away first."""
+        streams = await self.add_requests(request_id, prompts)
+        if stream:
+            return event_stream(sse_body(events(streams)), streams)
+        return await unless_disconnected(collect_finals(streams), raw)
+
     async def add_requests(
         self, request_id: str, prompts: Sequence[tuple[PromptType, SamplingParams]]
     ) -> list[RequestStream]:
@@ -195,7 +239,11 @@ class OpenAIServing:
         """/tokenize: a prompt, or messages rendered by the chat template."""
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise ServingError("give exactly one of prompt and messages.", param="prompt")
+            raise ServingError(
+                "give exactly one of prompt and messages.",
+                param="prompt",
+                code="prompt_or_messages",
+            )
         if req.messages is not None:
             text = self.render_chat(req.messages, req.add_generation_prompt)
             ids = self.encode(text, bool(req.add_special_tokens), param="messages")
@@ -206,13 +254,18 @@ class OpenAIServing:
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)
-        vocab = len(self.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        self.check_token_ids(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """A 400 naming param unless every id is in the model's vocabulary (the schema's
+        maximum for token ids)."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ServingError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}).", param="tokens"
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).",
+                param=param,
             )
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as the API shows it (cached: the vocabulary is fixed)."""
@@ -220,6 +273,22 @@ class OpenAIServing:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+# Arguments of apply_chat_template the server sets itself (a request may not replace them).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "tokenize", "conversation", "messages", "add_generation_prompt"}
+)
+
+
+def model_not_found(name: str, model: ServedModel) -> ServingError:
+    return ServingError(
+        f"The model `{name}` does not exist; this server serves "
+        f"{', '.join(repr(n) for n in model.names)}.",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
 
 
 def message_text(message: ChatMessage) -> str:
@@ -340,6 +409,25 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_body(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, then an error event if they failed, then ``[DONE]`` (as OpenAI ends)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        yield error_event(e)
+    yield SSE_DONE
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The fields every chunk of one streamed response repeats."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def event_stream(events: AsyncIterator[str], streams: Sequence[RequestStream]) -> StreamingResponse:

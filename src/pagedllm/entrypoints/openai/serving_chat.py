@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -25,17 +24,13 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.entrypoints.openai.serving import (
-    SSE_DONE,
+    ChunkHeader,
     DeltaTracker,
     OpenAIServing,
     ServingError,
-    collect_finals,
-    error_event,
-    event_stream,
     merge_streams,
     sse,
     top_entries,
-    unless_disconnected,
     usage_info,
 )
 from pagedllm.sampling_params import MAX_LOGPROBS
@@ -49,10 +44,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         if req.tools:
             raise ServingError("tools are not supported.", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ServingError(
-                "only the text response_format is supported.", param="response_format"
-            )
         top = self._top_logprobs(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         ids = self.encode(text, add_special=False, param="messages")
@@ -60,10 +51,17 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, len(ids), max_tokens, top, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": text, "prompt_token_ids": ids}
-        streams = await self.add_requests(request_id, [(prompt, params)])
-        if req.stream:
-            return event_stream(self._stream(req, request_id, streams[0], top), streams)
-        (final,) = await unless_disconnected(collect_finals(streams), raw)
+        header = ChunkHeader(request_id, self.model.name)
+        result = await self.respond(
+            raw,
+            request_id,
+            [(prompt, params)],
+            req.stream,
+            lambda streams: self._stream(req, header, streams[0], top),
+        )
+        if isinstance(result, StreamingResponse):
+            return result
+        (final,) = result
         choices = [
             ChatChoice(
                 index=comp.index,
@@ -89,7 +87,11 @@ class OpenAIServingChat(OpenAIServing):
             )
         if not req.logprobs:
             if top:
-                raise ServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+                raise ServingError(
+                    "top_logprobs needs logprobs set to true.",
+                    param="top_logprobs",
+                    code="top_logprobs_without_logprobs",
+                )
             return None
         return top or 0
 
@@ -115,53 +117,46 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoiceLogprobs(content=content)
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, stream: RequestStream, top: int | None
+        self,
+        req: ChatCompletionRequest,
+        header: ChunkHeader,
+        stream: RequestStream,
+        top: int | None,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
         tracker = DeltaTracker()
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(
                 ChatCompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=self.model.name,
+                    id=header.id,
+                    created=header.created,
+                    model=header.model,
                     choices=choices,
                     usage=usage,
                 )
             )
 
-        try:
-            for index in range(req.n):  # OpenAI opens every choice with the role
-                yield chunk(
-                    [
-                        ChatStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content="")
-                        )
-                    ]
-                )
-            async for _, out in merge_streams([stream]):
-                for d in tracker.update(out):
-                    logprobs = None
-                    if top is not None and d.logprobs is not None:
-                        logprobs = self.logprobs(d.token_ids, d.logprobs, top)
-                    if d.text or (logprobs is not None and logprobs.content):
-                        delta = DeltaMessage(content=d.text)
-                        yield chunk(
-                            [ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs)]
-                        )
-                    if d.finish_reason is not None:
-                        yield chunk(
-                            [
-                                ChatStreamChoice(
-                                    index=d.index,
-                                    delta=DeltaMessage(),
-                                    finish_reason=d.finish_reason,
-                                )
-                            ]
-                        )
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], usage_info([tracker.last]))
-        except Exception as e:
-            yield error_event(e)
-        yield SSE_DONE
+        for index in range(req.n):  # OpenAI opens every choice with the role
+            yield chunk(
+                [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
+            )
+        async for _, out in merge_streams([stream]):
+            for d in tracker.update(out):
+                logprobs = None
+                if top is not None and d.logprobs is not None:
+                    logprobs = self.logprobs(d.token_ids, d.logprobs, top)
+                if d.text or (logprobs is not None and logprobs.content):
+                    delta = DeltaMessage(content=d.text)
+                    yield chunk([ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs)])
+                if d.finish_reason is not None:
+                    yield chunk(
+                        [
+                            ChatStreamChoice(
+                                index=d.index,
+                                delta=DeltaMessage(),
+                                finish_reason=d.finish_reason,
+                            )
+                        ]
+                    )
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage_info([tracker.last]))

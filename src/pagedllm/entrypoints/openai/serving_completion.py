@@ -1,15 +1,21 @@
-"""/v1/completions: one engine request per prompt, n choices each, streamed or not."""
+"""/v1/completions: one engine request per prompt, n choices each, streamed or not.
+
+``echo`` with ``logprobs`` scores the prompt as OpenAI's legacy completions and vLLM do (what
+lm-evaluation-harness's loglikelihood tasks send): the choice's logprobs start with the
+prompt's tokens, from the engine's ``prompt_logprobs`` (the first is null: nothing precedes
+it), then the generated ones; ``max_tokens: 0`` returns the prompt alone.
+"""
 
 from __future__ import annotations
 
-import time
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.core.outputs import CompletionOutput, TokenLogprobs
+from pagedllm.core.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.protocol import (
@@ -20,20 +26,25 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.entrypoints.openai.serving import (
-    SSE_DONE,
+    ChunkHeader,
     DeltaTracker,
     OpenAIServing,
     ServingError,
-    collect_finals,
-    error_event,
-    event_stream,
     merge_streams,
     sse,
     top_entries,
-    unless_disconnected,
     usage_info,
 )
 from pagedllm.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class Echo:
+    """What a choice repeats of its prompt before the generated text."""
+
+    text: str  # "" without echo
+    token_ids: list[int]  # the prompt's ids, for their logprobs
+    logprobs: bool  # whether the prompt's logprobs lead the choice's logprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -42,29 +53,39 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | StreamingResponse:
         """The response, or for ``stream: true`` the server-sent events to send."""
         self.check_model(req.model)
-        if req.suffix:
-            raise ServingError("suffix is not supported.", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise ServingError("best_of is not supported (only best_of == n).", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise ServingError("echo together with logprobs is not supported.", param="echo")
         prompts = self._prompts(req.prompt)
+        scored = req.echo and req.logprobs is not None
+        # max_tokens 0 still runs one step (the prompt's logprobs come from it); its token
+        # is dropped below.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         requests: list[tuple[PromptType, SamplingParams]] = []
         for prompt in prompts:
             n_tokens = len(prompt["prompt_token_ids"])
-            requests.append(
-                (prompt, self.sampling_params(req, n_tokens, req.max_tokens, req.logprobs))
+            params = self.sampling_params(
+                req,
+                n_tokens,
+                max_tokens,
+                req.logprobs,
+                prompt_logprobs=req.logprobs if scored else None,
             )
+            requests.append((prompt, params))
+        echoes = [
+            Echo(self._echo_text(p) if req.echo else "", p["prompt_token_ids"], scored)
+            for p in prompts
+        ]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.add_requests(request_id, requests)
-        echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
-        if req.stream:
-            return event_stream(self._stream(req, request_id, streams, echoes), streams)
-        finals = await unless_disconnected(collect_finals(streams), raw)
+        header = ChunkHeader(request_id, self.model.name)
+        result = await self.respond(
+            raw, request_id, requests, req.stream, lambda s: self._stream(req, header, s, echoes)
+        )
+        if isinstance(result, StreamingResponse):
+            return result
+        finals = [self._visible(req, out) for out in result]
         choices = []
         for i, out in enumerate(finals):
             for comp in out.outputs:
-                choices.append(self._choice(req, i * req.n + comp.index, comp, echoes[i]))
+                index = i * req.n + comp.index
+                choices.append(self._choice(req, index, comp, echoes[i], out.prompt_logprobs))
         return CompletionResponse(
             id=request_id, model=self.model.name, choices=choices, usage=usage_info(finals)
         )
@@ -84,6 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 result.append({"prompt": item, "prompt_token_ids": self.encode(item)})
             else:
+                self.check_token_ids(item, "prompt")
                 result.append({"prompt": None, "prompt_token_ids": list(item)})
             if not result[-1]["prompt_token_ids"]:
                 raise ServingError("prompt must not be empty.", param="prompt")
@@ -94,75 +116,120 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt["prompt"]
         return self.tokenizer.decode(prompt["prompt_token_ids"])
 
+    @staticmethod
+    def _visible(req: CompletionRequest, out: RequestOutput) -> RequestOutput:
+        """The output a client sees: with max_tokens 0, without the one token generated."""
+        if req.max_tokens != 0:
+            return out
+        empty = [
+            dataclasses.replace(
+                c,
+                text="",
+                token_ids=[],
+                logprobs=None if c.logprobs is None else [],
+                cumulative_logprob=None,
+                finish_reason="length" if c.finish_reason is not None else None,
+            )
+            for c in out.outputs
+        ]
+        return dataclasses.replace(out, outputs=empty)
+
     def _choice(
-        self, req: CompletionRequest, index: int, comp: CompletionOutput, echo: str
+        self,
+        req: CompletionRequest,
+        index: int,
+        comp: CompletionOutput,
+        echo: Echo,
+        prompt_logprobs: list[TokenLogprobs | None] | None,
     ) -> CompletionChoice:
         logprobs = None
         if req.logprobs is not None and comp.logprobs is not None:
-            logprobs = self.logprobs(comp.token_ids, comp.logprobs, 0)
+            logprobs = self._prompt_logprobs(echo, prompt_logprobs)
+            self.add_logprobs(logprobs, comp.token_ids, comp.logprobs)
         return CompletionChoice(
-            index=index, text=echo + comp.text, logprobs=logprobs, finish_reason=comp.finish_reason
+            index=index,
+            text=echo.text + comp.text,
+            logprobs=logprobs,
+            finish_reason=comp.finish_reason,
         )
 
-    def logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
+    def _prompt_logprobs(
+        self, echo: Echo, prompt_logprobs: list[TokenLogprobs | None] | None
     ) -> CompletionLogprobs:
-        """OpenAI's completions logprobs: per token its text, logprob, top-k and text offset."""
+        """The prompt's part of an echoed choice's logprobs (empty unless echo + logprobs)."""
         result = CompletionLogprobs()
+        if not echo.logprobs or prompt_logprobs is None:
+            return result
+        self.add_logprobs(result, echo.token_ids, prompt_logprobs)
+        return result
+
+    def add_logprobs(
+        self,
+        result: CompletionLogprobs,
+        token_ids: list[int],
+        logprobs: Sequence[TokenLogprobs | None],
+    ) -> None:
+        """Append OpenAI's completions logprobs of these tokens: text, logprob, top-k and
+        text offset (continuing from the last token already in result)."""
+        offset = result.text_offset[-1] + len(result.tokens[-1]) if result.tokens else 0
         for token_id, entry in zip(token_ids, logprobs):
             text = self.token_text(token_id)
             result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            if entry is None:  # the first prompt token: nothing to condition on
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
             result.token_logprobs.append(entry[token_id].logprob)
             top: dict[str, float] = {}
             for t, lp in top_entries(entry):
                 top.setdefault(self.token_text(t), lp)  # texts may repeat: keep the likeliest
             result.top_logprobs.append(top)
-            result.text_offset.append(text_offset)
-            text_offset += len(text)
-        return result
 
     async def _stream(
         self,
         req: CompletionRequest,
-        request_id: str,
+        header: ChunkHeader,
         streams: list[RequestStream],
-        echoes: list[str],
+        echoes: list[Echo],
     ) -> AsyncIterator[str]:
-        created = int(time.time())
         trackers = [DeltaTracker(index_offset=i * req.n) for i in range(len(streams))]
-        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        sent: dict[int, CompletionLogprobs] = {}  # choice index -> its logprobs so far
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return sse(
                 CompletionResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.model.name,
+                    id=header.id,
+                    created=header.created,
+                    model=header.model,
                     choices=choices,
                     usage=usage,
                 )
             )
 
-        try:
-            for i, echo in enumerate(echoes):
-                if echo:
-                    yield chunk(
-                        [CompletionChoice(index=i * req.n + k, text=echo) for k in range(req.n)]
+        async for i, out in merge_streams(streams):
+            out = self._visible(req, out)
+            for d in trackers[i].update(out):
+                # A choice's first chunk carries the echoed prompt and the prompt's logprobs.
+                first = d.index not in sent
+                if first:
+                    sent[d.index] = self._prompt_logprobs(echoes[i], out.prompt_logprobs)
+                so_far = sent[d.index]
+                start = 0 if first else len(so_far.tokens)
+                logprobs = None
+                if d.logprobs is not None:
+                    self.add_logprobs(so_far, d.token_ids, d.logprobs)
+                    logprobs = CompletionLogprobs(
+                        tokens=so_far.tokens[start:],
+                        token_logprobs=so_far.token_logprobs[start:],
+                        top_logprobs=so_far.top_logprobs[start:],
+                        text_offset=so_far.text_offset[start:],
                     )
-            async for i, out in merge_streams(streams):
-                for d in trackers[i].update(out):
-                    logprobs = None
-                    if d.logprobs is not None:
-                        logprobs = self.logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
-                        offsets[d.index] = offsets.get(d.index, 0) + sum(
-                            len(t) for t in logprobs.tokens
-                        )
-                    choice = CompletionChoice(
-                        index=d.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason
-                    )
-                    yield chunk([choice])
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], usage_info([t.last for t in trackers]))
-        except Exception as e:
-            yield error_event(e)
-        yield SSE_DONE
+                text = echoes[i].text + d.text if first else d.text
+                choice = CompletionChoice(
+                    index=d.index, text=text, logprobs=logprobs, finish_reason=d.finish_reason
+                )
+                yield chunk([choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage_info([self._visible(req, t.last) for t in trackers if t.last]))
