@@ -290,3 +290,16 @@ class DetokenizeRequest(OpenAIRequest):
 
 class DetokenizeResponse(OpenAIModel):
     prompt: str
+
+
+class TokenizerInfo(OpenAIModel):
+    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does
+    (lm-evaluation-harness's remote tokenizer reads it)."""
+
+    tokenizer_class: str
+    tokenizer_path: str  # the folder holding tokenizer.json, for clients on this machine
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int

@@ -53,6 +53,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from pagedllm.entrypoints.openai.serving import (
     ClientDisconnected,
@@ -249,6 +250,11 @@ def _add_routes(
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=MODEL_RESPONSES)
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         return _json(base.detokenize(req))
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)
+    async def tokenizer_info() -> JSONResponse:
+        """The tokenizer's special tokens, chat template and folder (vLLM's route)."""
+        return _json(base.tokenizer_info())
 
 
 # ---- running ------------------------------------------------------------------------------

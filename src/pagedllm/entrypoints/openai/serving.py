@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     UsageInfo,
 )
 from pagedllm.sampling_params import SamplingParams
@@ -256,6 +257,19 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_token_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        tok = self.tokenizer
+        chat_template = getattr(tok, "chat_template", None)
+        return TokenizerInfo(
+            tokenizer_class=type(tok).__name__,
+            tokenizer_path=os.path.abspath(self.engine.engine.config.model.tokenizer),
+            eos_token=getattr(tok, "eos_token", None),
+            bos_token=getattr(tok, "bos_token", None),
+            pad_token=getattr(tok, "pad_token", None),
+            chat_template=chat_template if isinstance(chat_template, str) else None,
+            model_max_length=self.model.max_model_len,
+        )
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """A 400 naming param unless every id is in the model's vocabulary (the schema's
