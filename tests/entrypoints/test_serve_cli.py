@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
+import pytest
 
 
 def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
@@ -82,3 +85,57 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("server never became healthy")
+
+
+def test_nothing_listens_until_the_engine_is_ready(tiny_llama, monkeypatch) -> None:
+    """While the model loads, the port is taken but refuses connections (a probe fails at
+    once instead of hanging); once the engine is ready /health answers 200."""
+    from pagedllm import EngineArgs
+    from pagedllm.entrypoints.openai import server as server_module
+
+    real_build = server_module.build_app
+    loading, release = threading.Event(), threading.Event()
+    apps = []
+
+    def slow_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        loading.set()
+        assert release.wait(60)
+        apps.append(real_build(*args, **kwargs))
+        return apps[-1]
+
+    monkeypatch.setattr(server_module, "build_app", slow_build)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=128)
+    status: list[int] = []
+    thread = threading.Thread(
+        target=lambda: status.append(
+            server_module.run_server(
+                args, port=port, uvicorn_log_level="warning", log_stats_interval=None
+            )
+        )
+    )
+    thread.start()
+    try:
+        assert loading.wait(60)
+        url = f"http://127.0.0.1:{port}"
+        start = time.monotonic()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
+        assert time.monotonic() - start < 1.0  # refused, not left waiting
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # yet the port is held for the server
+    finally:
+        release.set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/health", timeout=5)
+            break
+        except httpx.ConnectError:
+            time.sleep(0.05)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    apps[0].state.engine.on_dead(RuntimeError("test over"))  # stops the server
+    thread.join(timeout=60)
+    assert status == [1]

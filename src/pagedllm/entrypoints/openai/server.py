@@ -258,8 +258,13 @@ def _add_routes(
 
 
 # ---- running ------------------------------------------------------------------------------
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: a free one), bound before the model loads."""
+def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free one), listening unless told not to.
+
+    ``run_server`` binds before the model loads (a taken port fails at once) and listens
+    once the engine is ready: until then a connection is refused, so that a health probe
+    fails fast instead of waiting on a server that cannot answer yet.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -268,7 +273,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
@@ -315,11 +321,12 @@ def run_server(
     unknown after a failure), /health answers 503, requests are refused, and the server
     stops with 1 rather than serve wrong results.
     """
-    sock = bind_socket(host, port)
+    sock = bind_socket(host, port, listen=False)
     died: list[BaseException] = []
     previous = _stop_on_sigterm()
     try:
         app = build_app(engine_args, **app_options)
+        sock.listen(2048)  # the engine is ready: from now on /health answers
         print(startup_banner(app, host, sock.getsockname()[1]), flush=True)
         config = uvicorn.Config(
             app, log_level=uvicorn_log_level, timeout_graceful_shutdown=graceful_shutdown_timeout
