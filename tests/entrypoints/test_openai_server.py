@@ -302,7 +302,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [True]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 1.0}, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -314,7 +314,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21},
         "top_logprobs",
     ),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -406,6 +406,7 @@ LONG = {"prompt": "The quick", "max_tokens": 200, "temperature": 0, "ignore_eos"
 
 def test_streaming_client_disconnect_aborts(server, slow_model) -> None:
     finished_before = server.successes("length")
+    aborted_before = server.successes("abort")
     with httpx.Client(timeout=30) as client:
         with client.stream(
             "POST", server.url + "/v1/completions", json={**LONG, "stream": True}
@@ -417,14 +418,17 @@ def test_streaming_client_disconnect_aborts(server, slow_model) -> None:
     # Closing the response drops the connection; the server aborts well before 200 tokens.
     assert server.wait_idle(timeout=3.0) < 3.0
     assert server.successes("length") == finished_before
+    assert server.successes("abort") == aborted_before + 1  # vLLM's finished_reason="abort"
 
 
 def test_non_streaming_client_disconnect_aborts(server, slow_model) -> None:
     finished_before = server.successes("length")
+    aborted_before = server.successes("abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.5))
     assert server.wait_idle(timeout=3.0) < 3.0
     assert server.successes("length") == finished_before
+    assert server.successes("abort") == aborted_before + 1
 
 
 # ---- engine failures ---------------------------------------------------------------------

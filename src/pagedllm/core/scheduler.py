@@ -140,7 +140,8 @@ class Scheduler:
                 break
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
-                if self._may_use_cache(seq):
+                # n > 1: the prompt is looked up once, by the first sample (vLLM counts so).
+                if self._may_use_cache(seq) and seq.prompt_leader is None:
                     bm.record_prefix_lookup(seq.num_tokens, num_cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -30,7 +30,7 @@ class FinishedRequestStats:
 @dataclass
 class IterationStats:
     timestamp: float
-    num_prompt_tokens: int = 0  # prompt tokens computed in this step
+    num_prompt_tokens: int = 0  # prompt tokens of requests whose first token came this step
     num_generation_tokens: int = 0  # tokens sampled in this step
     num_batched_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)

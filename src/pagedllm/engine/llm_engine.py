@@ -54,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, RequestState] = {}
         self.stat_loggers: list[StatLogger] = []
+        self._aborted_stats: list[FinishedRequestStats] = []  # recorded by the next step
         self._seq_ids = itertools.count()
         self.startup_seconds = time.perf_counter() - start
         logger.info(
@@ -166,13 +167,18 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        now = time.time()
         for rid in ids:
-            state = self.requests.pop(rid, None)
+            state = self.requests.get(rid)
             if state is None:
                 continue
             for s in state.seqs:
                 self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
             self.executor.release([s.seq.seq_id for s in state.seqs])
+            # Counted as vLLM counts it: request_success{finished_reason="abort"}, latencies.
+            stats = self._on_finished(state, now)
+            if self.stat_loggers:
+                self._aborted_stats.append(stats)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -188,6 +194,8 @@ class LLMEngine:
         """One iteration: schedule, run the model, sample, detokenize; returns updates."""
         sched_out = self.scheduler.schedule()
         iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
+        iteration.finished_requests.extend(self._aborted_stats)
+        self._aborted_stats.clear()
         if sched_out.is_empty:
             self._record(iteration)
             return []
@@ -196,10 +204,6 @@ class LLMEngine:
             t = item.seq.timings
             if t.first_scheduled is None:
                 t.first_scheduled = now
-            iteration.num_prompt_tokens += max(
-                0,
-                min(item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens),
-            )
         try:
             model_out = self.executor.execute_model(sched_out)
         except ExecutorLostError as e:
@@ -232,7 +236,7 @@ class LLMEngine:
         for state in touched.values():
             results.append(state.to_output())
             if state.finished:
-                self._on_finished(state, now, iteration)
+                iteration.finished_requests.append(self._on_finished(state, now))
         return results
 
     def _add_prompt_logprobs(self, seq: Sequence, num_new: int, model_out: ModelOutput) -> None:
@@ -262,6 +266,8 @@ class LLMEngine:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 iteration.time_to_first_tokens.append(now - state.metrics.arrival_time)
+                # Every prompt token, cached or computed, once per request (vLLM's meaning).
+                iteration.num_prompt_tokens += len(state.prompt_token_ids)
         elif t.last_token is not None:
             iteration.inter_token_latencies.append(now - t.last_token)
         t.last_token = now
@@ -308,11 +314,12 @@ class LLMEngine:
                 self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ERROR)
             self.executor.release([s.seq.seq_id for s in state.seqs])
             results.append(state.to_output())
-            self._on_finished(state, now, iteration)
+            iteration.finished_requests.append(self._on_finished(state, now))
         self._record(iteration)
         return results
 
-    def _on_finished(self, state: RequestState, now: float, iteration: IterationStats) -> None:
+    def _on_finished(self, state: RequestState, now: float) -> FinishedRequestStats:
+        """Forget a finished request; its statistics for the stat loggers."""
         del self.requests[state.request_id]
         m = state.metrics
         m.finished_time = now
@@ -322,16 +329,14 @@ class LLMEngine:
         )
         first_sched = m.first_scheduled_time or now
         first_token = m.first_token_time or now
-        iteration.finished_requests.append(
-            FinishedRequestStats(
-                finish_reason=state.seqs[0].seq.status.finish_reason or "stop",
-                e2e_latency=now - m.arrival_time,
-                queue_time=first_sched - m.arrival_time,
-                prefill_time=first_token - first_sched,
-                decode_time=(m.last_token_time or now) - first_token,
-                num_prompt_tokens=len(state.prompt_token_ids),
-                num_generation_tokens=sum(s.seq.num_output_tokens for s in state.seqs),
-            )
+        return FinishedRequestStats(
+            finish_reason=state.seqs[0].seq.status.finish_reason or "stop",
+            e2e_latency=now - m.arrival_time,
+            queue_time=first_sched - m.arrival_time,
+            prefill_time=first_token - first_sched,
+            decode_time=(m.last_token_time or now) - first_token,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=sum(s.seq.num_output_tokens for s in state.seqs),
         )
 
     def scheduler_stats(self) -> SchedulerStats:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm.core.stats import IterationStats, SchedulerStats
 from pagedllm.metrics.prometheus import LATENCY_BUCKETS, PREFIX
 
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -76,3 +77,23 @@ class InferenceMonitor:
             child = collector.labels(**self.labels) if self.labels else collector
             self._metrics[name] = (kind, child)
             return child
+
+
+class MonitorStatLogger:
+    """Feeds an InferenceMonitor from the engine (a stat logger): ``kv_cache_hit_rate``, the
+    share of prompt tokens found in the prefix cache since start, the gauge user code sets
+    with ``record_metric`` and dashboards read next to vLLM's counters."""
+
+    def __init__(self, monitor: InferenceMonitor) -> None:
+        self.monitor = monitor
+        self._set_hit_rate(0.0)  # exported from the start, before any lookup
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        queries = scheduler_stats.prefix_cache_queries
+        if queries:
+            self._set_hit_rate(scheduler_stats.prefix_cache_hits / queries)
+
+    def _set_hit_rate(self, value: float) -> None:
+        self.monitor.record_metric(
+            "kv_cache_hit_rate", value, "Share of prompt tokens found in the prefix cache."
+        )

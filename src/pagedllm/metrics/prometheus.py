@@ -100,7 +100,9 @@ class PrometheusStatLogger:
             Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.preemptions = c(Counter, "num_preemptions", "Preemptions of running sequences.")
-        self.prompt_tokens = c(Counter, "prompt_tokens", "Prompt tokens computed (prefill).")
+        self.prompt_tokens = c(
+            Counter, "prompt_tokens", "Prompt tokens of requests, cached or computed."
+        )
         self.generation_tokens = c(Counter, "generation_tokens", "Tokens generated.")
         self.request_success = Counter(
             PREFIX + "request_success",
@@ -108,7 +110,7 @@ class PrometheusStatLogger:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        for reason in ("stop", "length"):  # exported as 0 before the first request ends
+        for reason in ("stop", "length", "abort"):  # exported as 0 before any request ends
             self.request_success.labels(model_name=self.model_name, finished_reason=reason)
 
     def _build_histograms(self, max_model_len: int) -> None:

@@ -47,20 +47,43 @@ _GENERATION_ERRORS = {
     500: _error("The engine failed while running the request."),
     503: _error("The engine is overloaded (`server_overloaded`) or dead (`engine_dead`)."),
 }
-_SSE = {
-    "text/event-stream": {
-        "schema": {"type": "string"},
-        "description": "with `stream: true`: `data: {chunk}` events, then `data: [DONE]`",
+
+
+def _sse(chunk: str) -> dict[str, Any]:
+    """With ``stream: true``: events whose data is a chunk (or an error) as JSON, then
+    ``[DONE]``. The schema describes one event, as OpenAPI 3.1 reads it for event streams."""
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{chunk}"},
+                {"$ref": "#/components/schemas/ErrorResponse"},
+            ]
+        },
     }
-}
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+    }
+    return {"text/event-stream": {"schema": event}}
 
 
 COMPLETION_RESPONSES = {
-    200: {"model": CompletionResponse, "description": "The completion", "content": _SSE},
+    200: {
+        "model": CompletionResponse,
+        "description": "The completion",
+        "content": _sse("CompletionResponse"),
+    },
     **_GENERATION_ERRORS,
 }
 CHAT_RESPONSES = {
-    200: {"model": ChatCompletionResponse, "description": "The chat completion", "content": _SSE},
+    200: {
+        "model": ChatCompletionResponse,
+        "description": "The chat completion",
+        "content": _sse("ChatCompletionChunk"),
+    },
     **_GENERATION_ERRORS,
 }
 HEALTH_RESPONSES = {
@@ -88,13 +111,20 @@ def install_openapi(app: FastAPI, vocab_size: int, open_paths: list[str] | None)
             _set_token_id_maximum(schema, vocab_size - 1)
             if open_paths is not None:
                 _add_api_key(schema, open_paths)
-            schema["components"]["schemas"]["ChatCompletionChunk"] = (
-                ChatCompletionChunk.model_json_schema(ref_template="#/components/schemas/{model}")
-            )
+            _add_component(schema, ChatCompletionChunk)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_component(schema: dict[str, Any], model: type[OpenAIModel]) -> None:
+    """model's JSON schema (and the models it uses) under components/schemas."""
+    components = schema["components"]["schemas"]
+    body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, definition in body.pop("$defs", {}).items():
+        components.setdefault(name, definition)
+    components[model.__name__] = body
 
 
 def _drop_422(schema: dict[str, Any]) -> None:

@@ -13,24 +13,33 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from pagedllm.sampling_params import MAX_LOGPROBS
 
 # Error codes of the 400s no single field's schema can rule out (documented in /openapi.json).
 CROSS_FIELD_RULES = {
     "context_length_exceeded": "the prompt plus max_tokens exceed the model's context length",
-    "min_tokens_exceed_max_tokens": "min_tokens is larger than max_tokens",
-    "top_logprobs_without_logprobs": "top_logprobs > 0 needs logprobs: true (chat)",
-    "prompt_or_messages": "/tokenize takes exactly one of prompt and messages",
     "chat_template_error": "the model's chat template refused the conversation",
 }
 # Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
 TOKEN_ID_MARK = "x-token-id"
 MAX_N = 128  # most choices per prompt (OpenAI's limit); the engine enforces the same
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - MAX_N  # seed .. seed + n - 1 must be 64-bit integers
 
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+
+def _integral(value: object) -> object:
+    """JSON Schema's integer: 8.0 is one (as JSON Schema counts), true and "8" are not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def Int(**constraints: Any) -> Any:  # noqa: N802 - used as a type
+    """An integer field type with its range (ge=, le=) in the schema; 8.0 is accepted."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+TokenId = Int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
@@ -69,12 +78,12 @@ class SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat completions."""
 
     model: str | None = None  # None: the served model
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int(ge=1, le=MAX_N) = 1
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0, as OpenAI
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Int() | None = Field(None, description="any integer (taken modulo 2**64)")
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -83,10 +92,10 @@ class SamplingFields(OpenAIRequest):
         None, max_length=0, description="not supported: only an empty object"
     )
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    top_k: Int(ge=-1) | None = Field(None, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int(ge=0) = Field(0, description="at most max_tokens take effect")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -103,8 +112,8 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[NonEmptyStr], Field(min_length=1)]
         | (Annotated[list[PromptIds], Field(min_length=1)])
     )
-    max_tokens: int | None = Field(16, ge=0, description="0 with echo: score the prompt only")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token
+    max_tokens: Int(ge=0) | None = Field(16, description="0 with echo: score the prompt only")
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # top logprobs per token
     echo: bool = False
     best_of: None = Field(None, description="not supported (always n)")
     suffix: None = Field(None, description="not supported")
@@ -130,10 +139,12 @@ class ResponseFormat(OpenAIRequest):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int(ge=1) | None = None
+    max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="with logprobs: true (ignored without)"
+    )
     tools: list[Any] | None = Field(None, max_length=0, description="not supported")
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
@@ -267,14 +278,26 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIRequest):
-    """Either a prompt (completions) or messages (chat, rendered by the chat template)."""
+class TokenizeCompletionRequest(OpenAIRequest):
+    """/tokenize of a prompt, as completions encode it."""
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # None: True for prompts, False for messages
+    prompt: str
+    messages: None = None  # one of prompt and messages
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIRequest):
+    """/tokenize of messages, rendered by the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    prompt: None = None  # one of prompt and messages
+    add_special_tokens: bool = False
     add_generation_prompt: bool = True
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class TokenizeResponse(OpenAIModel):

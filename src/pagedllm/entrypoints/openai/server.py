@@ -65,7 +65,7 @@ from pagedllm.entrypoints.openai.serving import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.metrics.loggers import LoggingStatLogger
-from pagedllm.metrics.monitor import InferenceMonitor
+from pagedllm.metrics.monitor import InferenceMonitor, MonitorStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ def build_app(
     app.state.served_model = model
     app.state.metrics = metrics
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
+    engine.engine.add_stat_logger(MonitorStatLogger(app.state.monitor))
     _add_error_handlers(app)
     _add_routes(app, engine, model, metrics)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]

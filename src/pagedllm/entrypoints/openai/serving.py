@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     SamplingFields,
+    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
@@ -160,12 +161,6 @@ class OpenAIServing:
         """SamplingParams of a request, after the context-length check; errors are 400s."""
         if req.logit_bias:
             raise ServingError("logit_bias is not supported.", param="logit_bias")
-        if max_tokens is not None and req.min_tokens > max_tokens:
-            raise ServingError(
-                f"min_tokens must be at most max_tokens={max_tokens}, got {req.min_tokens}.",
-                param="min_tokens",
-                code="min_tokens_exceed_max_tokens",
-            )
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         limit = self.model.max_model_len
         wanted = prompt_len + (max_tokens or 1)
@@ -177,6 +172,9 @@ class OpenAIServing:
                 param=prompt_param if prompt_len >= limit else "max_tokens",
                 code="context_length_exceeded",
             )
+        # Generation ends at max_tokens whatever min_tokens says (a larger one is moot).
+        max_tokens = limit - prompt_len if max_tokens is None else max_tokens
+        min_tokens = min(req.min_tokens, max_tokens)
         try:
             return SamplingParams(
                 n=req.n,
@@ -187,12 +185,12 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=req.repetition_penalty or 1.0,
-                seed=req.seed,
+                seed=None if req.seed is None else int64_seed(req.seed, req.n),
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
-                max_tokens=limit - prompt_len if max_tokens is None else max_tokens,
-                min_tokens=req.min_tokens,
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
@@ -239,18 +237,11 @@ class OpenAIServing:
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """/tokenize: a prompt, or messages rendered by the chat template."""
         self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ServingError(
-                "give exactly one of prompt and messages.",
-                param="prompt",
-                code="prompt_or_messages",
-            )
-        if req.messages is not None:
+        if isinstance(req, TokenizeChatRequest):
             text = self.render_chat(req.messages, req.add_generation_prompt)
-            ids = self.encode(text, bool(req.add_special_tokens), param="messages")
+            ids = self.encode(text, req.add_special_tokens, param="messages")
         else:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self.encode(req.prompt or "", add_special=add)
+            ids = self.encode(req.prompt, add_special=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len, tokens=ids)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -293,6 +284,14 @@ class OpenAIServing:
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"chat_template", "tokenize", "conversation", "messages", "add_generation_prompt"}
 )
+
+
+def int64_seed(seed: int, n: int) -> int:
+    """Any integer as a seed the engine takes: seed .. seed + n - 1 are 64-bit integers.
+    (Exact bounds near 2**63 cannot be stated in a JSON schema: validators compare numbers
+    as doubles, so the API takes any integer and reduces it.)"""
+    low, size = -(2**63), 2**64 - (n - 1)
+    return (seed - low) % size + low
 
 
 def model_not_found(name: str, model: ServedModel) -> ServingError:

@@ -33,7 +33,6 @@ from pagedllm.entrypoints.openai.serving import (
     top_entries,
     usage_info,
 )
-from pagedllm.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -80,20 +79,8 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def _top_logprobs(req: ChatCompletionRequest) -> int | None:
         """SamplingParams.logprobs for a chat request: None unless ``logprobs`` is true."""
-        top = req.top_logprobs
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise ServingError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}.", param="top_logprobs"
-            )
-        if not req.logprobs:
-            if top:
-                raise ServingError(
-                    "top_logprobs needs logprobs set to true.",
-                    param="top_logprobs",
-                    code="top_logprobs_without_logprobs",
-                )
-            return None
-        return top or 0
+        # top_logprobs without logprobs asks for nothing (the schema says so)
+        return (req.top_logprobs or 0) if req.logprobs else None
 
     def logprobs(
         self, token_ids: list[int], logprobs: list[TokenLogprobs], top: int
