@@ -63,7 +63,7 @@ def test_an_aborted_request_is_a_finished_abort(engine) -> None:
     engine, metrics = engine
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
-        engine.step()  # the prompt and two tokens
+        engine.step()  # the prompt with its first token, then two more
     assert value(metrics, "time_to_first_token_seconds_count") == 1
     engine.abort_request("a")
     engine.step()  # nothing to run; records the abort
@@ -71,7 +71,7 @@ def test_an_aborted_request_is_a_finished_abort(engine) -> None:
     assert value(metrics, "request_success_total", finished_reason="length") == 0
     for histogram in ("e2e_request_latency", "request_queue_time", "request_decode_time"):
         assert value(metrics, histogram + "_seconds_count") == 1, histogram
-    assert value(metrics, "request_generation_tokens_sum") == 2
+    assert value(metrics, "request_generation_tokens_sum") == 3
     engine.check_integrity()
     assert engine.block_manager.usage == 0.0
 
