@@ -300,7 +300,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": [True]}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 1.0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1.5}, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),

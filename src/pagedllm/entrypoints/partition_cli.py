@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import socket
 from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs
@@ -117,7 +118,11 @@ def _partition(ns: argparse.Namespace) -> int:
 
 # ---- profile-device ------------------------------------------------------------------------
 def _add_profile(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", required=True, help="profile name (edge, cloud ...)")
+    p.add_argument(
+        "--name",
+        default=socket.gethostname(),
+        help="profile name, e.g. edge or cloud (default: this machine's host name)",
+    )
     p.add_argument("--output", "-o", required=True, help="DeviceProfile JSON to write")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
