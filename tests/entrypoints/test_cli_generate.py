@@ -53,3 +53,18 @@ def test_help_lists_engine_and_sampling_flags():
     assert proc.returncode == 0
     for flag in ("--max-num-seqs", "--block-size", "--enable-prefix-caching", "--top-p"):
         assert flag in proc.stdout
+
+
+def test_serve_without_its_dependencies_says_what_to_install() -> None:
+    """A broken install (fastapi / starlette missing): the server's flags are still taken and
+    the error names the package, instead of argparse's 'unrecognized arguments'."""
+    code = (
+        "import sys; sys.modules['starlette'] = sys.modules['fastapi'] = None\n"
+        "from pagedllm.entrypoints.cli import main\n"
+        "sys.exit(main(['serve', '--port', '8000']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "needs the Python package 'starlette'" in proc.stderr
+    assert "pip install starlette" in proc.stderr
+    assert "unrecognized arguments" not in proc.stderr

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ImportError as e:  # a dependency is missing: say which, whatever the flags
-            _add_unavailable(subparsers, name, _help, e.name or str(e))
+            _add_unavailable(subparsers, name, _help, (e.name or str(e)).split(".")[0])
             continue
         adder: Callable = mod.add_parser
         adder(subparsers, name)
@@ -213,7 +213,6 @@ def _add_unavailable(
 ) -> None:
     """A subcommand whose module cannot be imported: it takes any arguments and explains."""
     p = subparsers.add_parser(name, help=f"{help_text} (unavailable: {missing} missing)")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     def explain(ns: argparse.Namespace) -> int:
         print(
@@ -224,7 +223,7 @@ def _add_unavailable(
         )
         return 1
 
-    p.set_defaults(func=explain)
+    p.set_defaults(func=explain, takes_any_args=True)  # its flags are unknown here
 
 
 def _version() -> str:
@@ -238,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         level=envs.PAGEDLLM_LOG_LEVEL(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(ns, "takes_any_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2
