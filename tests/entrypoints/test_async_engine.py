@@ -17,15 +17,21 @@ from pagedllm.worker.executor import ExecutorLostError
 
 
 class Recorder:
-    """A stat logger remembering the largest running batch and the requests that finished."""
+    """A stat logger remembering the largest running batch and the requests that finished
+    (run to the end) or were aborted."""
 
     def __init__(self) -> None:
         self.max_running = 0
         self.finished = 0
+        self.aborted = 0
 
     def record(self, scheduler_stats, iteration_stats) -> None:  # noqa: ANN001
         self.max_running = max(self.max_running, scheduler_stats.num_running)
-        self.finished += len(iteration_stats.finished_requests)
+        for req in iteration_stats.finished_requests:
+            if req.finish_reason == "abort":
+                self.aborted += 1
+            else:
+                self.finished += 1
 
 
 @pytest.fixture()
@@ -87,6 +93,7 @@ def test_leaving_the_iteration_aborts_and_frees_blocks(engine) -> None:
     assert asyncio.run(main()) >= 2
     assert idle_state(engine) == (False, 0.0)
     assert engine.recorder.finished == 0  # aborted, not run to max_tokens
+    assert engine.recorder.aborted == 1
 
 
 def test_cancelled_consumer_aborts(engine) -> None:
@@ -108,6 +115,7 @@ def test_cancelled_consumer_aborts(engine) -> None:
     asyncio.run(main())
     assert idle_state(engine) == (False, 0.0)
     assert engine.recorder.finished == 0
+    assert engine.recorder.aborted == 1
 
 
 def test_bad_request_raises_value_error_and_others_continue(engine) -> None:
