@@ -33,7 +33,7 @@ def _mixed_batch(block_size: int) -> SchedulerOutput:
 @pytest.fixture(scope="module")
 def runner(model_factory) -> ModelRunner:
     args = EngineArgs(str(model_factory("llama")), dtype="float32", block_size=4)
-    runner = ModelRunner(args.create_engine_config())
+    runner = ModelRunner.from_engine_config(args.create_engine_config())
     runner.allocate_kv_cache(16)
     return runner
 

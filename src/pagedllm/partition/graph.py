@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.partition.profiler import LayerTimings
+from pagedllm.partition.profiles import LayerTimings
 
 OPS_PER_MODULE = 3  # kernels a leaf module launches, roughly: the floor of a layer's time
 
@@ -124,11 +124,11 @@ def build_model_graph(model: nn.Module, hf_config: Any, dtype: str, name: str) -
 
 def graph_from_config(hf_config: Any, dtype: str, name: str) -> ModelGraph:
     """The cost graph without loading weights: the model is built on the meta device."""
+    from pagedllm.config import architecture_of
     from pagedllm.models.registry import get_model_class
 
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     with torch.device("meta"):
-        model = get_model_class(archs[0])(hf_config, _torch_dtype(dtype))
+        model = get_model_class(architecture_of(hf_config))(hf_config, _torch_dtype(dtype))
     return build_model_graph(model, hf_config, dtype, name)
 
 

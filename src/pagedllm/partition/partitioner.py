@@ -34,7 +34,7 @@ from pagedllm.partition.plan import (
     TierEstimate,
     wire_bytes_per_token,
 )
-from pagedllm.partition.profiler import DeviceProfile, LinkProfile
+from pagedllm.partition.profiles import DeviceProfile, LinkProfile
 
 STRATEGIES = ("latency_aware", "throughput_aware")
 CONSTRAINTS = ("max_edge_latency", "min_cloud_throughput", "max_edge_memory")
