@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the config module may import torch (device detection); core never does
+    from pagedllm.config import SchedulerConfig
 
 
 @dataclass
