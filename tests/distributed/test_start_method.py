@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from pagedllm.worker.start_method import inside_main_guard, unguarded_main_script
 
 _UNGUARDED = """
@@ -61,3 +63,15 @@ def test_main_guard_is_recognised(tmp_path):
 def test_a_call_from_this_test_is_not_at_script_level():
     # pytest's own main module is not on this call's stack at module level
     assert unguarded_main_script(sys._getframe()) is None
+
+
+def test_unsafe_fork_fails_at_once_saying_what_to_write(monkeypatch):
+    from pagedllm.worker import start_method
+
+    monkeypatch.setattr(start_method, "unguarded_main_script", lambda frame: "/x/run.py")
+    monkeypatch.setattr(start_method, "fork_is_safe", lambda: False)
+    with pytest.raises(RuntimeError, match='if __name__ == "__main__":') as e:
+        start_method.worker_context([])
+    assert "/x/run.py" in str(e.value)
+    monkeypatch.setattr(start_method, "fork_is_safe", lambda: True)
+    assert start_method.worker_context([]).get_start_method() == "fork"
