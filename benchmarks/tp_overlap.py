@@ -69,9 +69,9 @@ def time_forward(runner, batch: int, new: int, rounds: int) -> dict[str, float]:
 
     new == 1: a decode token after a cached PROMPT_LEN-token prompt; else a `new`-token prefill.
     """
-    from pagedllm.distributed.overlap import split_batch
     from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
     from pagedllm.core.sequence import Sequence
+    from pagedllm.distributed.overlap import split_batch
     from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
