@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,20 @@ class AttentionBackend(ABC):
         self, call: PagedAttentionCall, metadata: AttentionMetadata
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of the step's queries over the cache (already holding its K/V)."""
+
+
+class VarlenKernelBackend(AttentionBackend):
+    """A backend whose ``attend`` is one varlen kernel call reading K/V through the block
+    table; ``kernel`` has the signature of attention.torch_varlen.varlen_attention."""
+
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+    def attend(self, call: PagedAttentionCall, metadata: AttentionMetadata) -> torch.Tensor:
+        out, _ = self.kernel(
+            call.query, call.key_cache, call.value_cache, metadata.batch, call.scale,
+            call.window_left, 0,
+        )  # fmt: skip
+        return out
 
 
 # name -> "module:Class", imported only when chosen (Triton never loads on a CPU install).

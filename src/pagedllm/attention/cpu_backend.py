@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention import cpu_kernels
-from pagedllm.attention.backend import AttentionBackend, PagedAttentionCall
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.backend import AttentionBackend, VarlenKernelBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(VarlenKernelBackend):
     name = "cpu"
+    kernel = staticmethod(cpu_kernels.varlen_attention)
 
     def __init__(self) -> None:
         self._kernel = cpu_kernels.load()
@@ -26,10 +26,3 @@ class CpuAttentionBackend(AttentionBackend):
         if self._kernel and cpu_kernels.supports(query, key_cache):
             return None
         return self._torch
-
-    def attend(self, call: PagedAttentionCall, metadata: AttentionMetadata) -> torch.Tensor:
-        out, _ = cpu_kernels.varlen_attention(
-            call.query, call.key_cache, call.value_cache, metadata.batch, call.scale,
-            call.window_left, 0,
-        )  # fmt: skip
-        return out

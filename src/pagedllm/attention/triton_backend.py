@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from pagedllm.attention import triton_kernels
-from pagedllm.attention.backend import AttentionBackend, PagedAttentionCall
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.backend import VarlenKernelBackend
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(VarlenKernelBackend):
     name = "triton"
-
-    def attend(self, call: PagedAttentionCall, metadata: AttentionMetadata) -> torch.Tensor:
-        out, _ = triton_kernels.varlen_attention(
-            call.query, call.key_cache, call.value_cache, metadata.batch, call.scale,
-            call.window_left, 0,
-        )  # fmt: skip
-        return out
+    kernel = staticmethod(triton_kernels.varlen_attention)
