@@ -58,13 +58,34 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        c = self.hf_config
-        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return num_kv_heads(self.hf_config)
 
     @property
     def head_dim(self) -> int:
-        c = self.hf_config
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return head_dim(self.hf_config)
+
+    def kv_bytes_per_token(self, layers: int | None = None) -> int:
+        """KV cache bytes one token takes over ``layers`` layers (default: all of them)."""
+        return kv_bytes_per_token(self.hf_config, DTYPE_BYTES[self.dtype], layers)
+
+
+# The shape facts of a Hugging Face config, written once; ModelConfig exposes them too.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def head_dim(hf_config: Any) -> int:
+    c = hf_config
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def num_kv_heads(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def kv_bytes_per_token(hf_config: Any, elem_bytes: int, layers: int | None = None) -> int:
+    """K and V of one token over ``layers`` layers (default: all) at elem_bytes per value."""
+    num_layers = hf_config.num_hidden_layers if layers is None else layers
+    return 2 * num_layers * num_kv_heads(hf_config) * head_dim(hf_config) * elem_bytes
 
 
 @dataclass(frozen=True)

@@ -153,11 +153,12 @@ def _profiling_engine(engine_args: Any, batch: int, context: int, prompt: int, s
     """An engine sized for the measurement: no prefix caching, a small KV cache."""
     import dataclasses
 
+    from pagedllm.config import kv_bytes_per_token
     from pagedllm.engine.llm_engine import LLMEngine
 
     m = engine_args.create_engine_config().model
     tokens = batch * (context + 2 * steps + 4) + prompt
-    per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+    per_token = kv_bytes_per_token(m.hf_config, elem_bytes=4)  # float32: an upper bound
     args = dataclasses.replace(
         engine_args,
         enable_prefix_caching=False,

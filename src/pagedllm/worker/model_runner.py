@@ -199,15 +199,13 @@ class ModelRunner:
         dev = self.device
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
-        metadata = AttentionMetadata(
+        metadata = AttentionMetadata.paged(
             query_start_loc=torch.from_numpy(cu).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -46,7 +46,6 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.communicator import OverlapCommunicator
-from pagedllm.distributed.overlap import split_batch
 from pagedllm.distributed.parallel_state import (
     RankPlacement,
     Rendezvous,
@@ -58,6 +57,7 @@ from pagedllm.distributed.parallel_state import (
 )
 from pagedllm.worker.executor import Executor, ExecutorLostError
 from pagedllm.worker.model_runner import ModelInput, ModelOutput, ModelRunner
+from pagedllm.worker.overlap import forward_overlapped, split_batch
 from pagedllm.worker.start_method import worker_context
 
 logger = logging.getLogger(__name__)
@@ -76,24 +76,20 @@ class StepInput:
     input_ids: np.ndarray  # [num_tokens]
     positions: np.ndarray  # [num_tokens]
     logits_indices: np.ndarray  # [num_logits]
-    metadata: dict[str, Any]  # AttentionMetadata fields, tensors as numpy arrays
+    metadata: AttentionMetadata  # its tensors as numpy arrays
     overlap: bool  # split into micro-batches whose all-reduces overlap compute
 
     @classmethod
     def from_input(cls, inp: ModelInput, overlap: bool) -> StepInput:
-        md = {
-            f.name: _host(getattr(inp.metadata, f.name))
-            for f in dataclasses.fields(AttentionMetadata)
-        }
+        md = inp.metadata.map_tensors(_host)
         host = [_host(t) for t in (inp.input_ids, inp.positions, inp.logits_indices)]
         return cls(*host, md, overlap)
 
     def to_input(self, device: torch.device) -> ModelInput:
-        md = {k: _device(v, device) for k, v in self.metadata.items()}
         return ModelInput(
             input_ids=_device(self.input_ids, device),
             positions=_device(self.positions, device),
-            metadata=AttentionMetadata(**md),
+            metadata=self.metadata.map_tensors(lambda x: _device(x, device)),
             logits_indices=_device(self.logits_indices, device),
             sample_seqs=[],
             sample_rows=[],
@@ -140,7 +136,7 @@ def run_forward(
     if batches is None or comm.world_size == 1:
         return runner.forward(inp)
     with torch.inference_mode():
-        return runner.model.forward_overlapped(batches, comm)
+        return forward_overlapped(runner.model, batches, comm)
 
 
 def _agree_num_blocks(runner: ModelRunner, comm: OverlapCommunicator) -> KVCacheSpec:
