@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_oracle import hf_greedy
+from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import cpu_kernels

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+from helpers.attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
 
 from pagedllm.attention import cpu_kernels
 from pagedllm.attention.api import attention_varlen

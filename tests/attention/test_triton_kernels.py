@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+from helpers.attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
 
 from pagedllm.attention.metadata import VarlenBatch
 from pagedllm.attention.tuning import get_tuning
@@ -111,7 +111,7 @@ def test_split_k_decode(kernels, monkeypatch):
 
 def test_engine_greedy_matches_hf_with_triton_backend(kernels, model_factory):
     """The whole engine on the "triton" backend (interpreted): same tokens as transformers."""
-    from hf_oracle import hf_greedy
+    from helpers.oracle import hf_greedy
 
     from pagedllm import LLM, SamplingParams
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from hf_oracle import hf_greedy
+from helpers.generation import greedy, random_prompts
+from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
@@ -16,16 +15,7 @@ def run(model_dir, prompts, max_tokens, **engine_kwargs):
     kwargs = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
     kwargs.update(engine_kwargs)
     llm = LLM(str(model_dir), **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.check_integrity()
-    assert llm.llm_engine.block_manager.usage == 0.0
-    return llm, [o.outputs[0].token_ids for o in outs]
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return llm, greedy(llm, prompts, max_tokens)
 
 
 @pytest.fixture(scope="module")
