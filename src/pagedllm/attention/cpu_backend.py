@@ -22,6 +22,11 @@ class CpuAttentionBackend(AttentionBackend):
         self._kernel = cpu_kernels.load()
         self._torch = TorchAttentionBackend()  # without the kernel, or for inputs it rejects
 
+    @property
+    def uses_kernel(self) -> bool:
+        """False when the C++ kernel could not be built: every call then takes the torch path."""
+        return self._kernel
+
     def forward(
         self,
         query: torch.Tensor,
