@@ -53,6 +53,7 @@ def test_chunked_prefill_splits_long_prompt():
     assert seq.num_computed_tokens == 16 and seq.num_output_tokens == 0
     drive(sched)
     assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.output_token_ids == [7, 7, 7]
+    assert sched.num_prefill_chunks == 2  # 16 + 16 tokens; the last 8 reach the end and sample
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
@@ -65,6 +66,7 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     sched.add(b)
     out = sched.schedule()
     assert [s.seq.seq_id for s in out.scheduled] == [0]
+    assert sched.num_prefill_chunks == 0
 
 
 def test_decode_runs_before_new_prefills():

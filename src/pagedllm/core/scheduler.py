@@ -47,6 +47,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
+        self.num_prefill_chunks = 0  # cumulative: prompt pieces that stopped short of its end
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -95,6 +96,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.num_prefill_chunks += sum(not s.samples for s in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
