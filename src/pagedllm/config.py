@@ -166,6 +166,8 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
+    # Tokens computed per step. A value below max_num_seqs also caps the batch at that many
+    # sequences (each running sequence decodes one token a step), so prompts really chunk.
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -201,8 +203,11 @@ class EngineArgs:
                 f"max_num_batched_tokens ({batched}) must be >= max_model_len "
                 f"({max_model_len}) when chunked prefill is disabled."
             )
-        if batched < self.max_num_seqs:
-            batched = self.max_num_seqs  # every running sequence can decode in one step
+        # Every running sequence must be able to decode in one step. A token budget below
+        # max_num_seqs is kept as asked (it is what makes prompts chunk) and the batch is
+        # capped at that many sequences instead: raising the budget would silently turn
+        # chunked prefill off.
+        max_num_seqs = min(self.max_num_seqs, batched)
         device = self.device
         if device == "auto":
             import torch
@@ -227,7 +232,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=kv_bytes,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.sequences import make_seq
 
 from pagedllm.config import EngineArgs, ParallelConfig
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import OverlapCommunicator
 from pagedllm.distributed.parallel_state import placement
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.multiproc_executor import StepInput
 from pagedllm.worker.overlap import forward_overlapped, split_batch
@@ -18,10 +17,9 @@ from pagedllm.worker.overlap import forward_overlapped, split_batch
 
 def _mixed_batch(block_size: int) -> SchedulerOutput:
     """A prefill of 6 tokens, a 3-token chunk after 4 cached tokens, and a decode token."""
-    params = SamplingParams(temperature=0.0, max_tokens=4)
     scheduled, next_block = [], 0
     for seq_id, (length, computed) in enumerate([(6, 0), (7, 4), (9, 8)]):
-        seq = Sequence(seq_id, f"r{seq_id}", 0, list(range(5, 5 + length)), params, None)
+        seq = make_seq(seq_id, range(5, 5 + length), temperature=0.0, max_tokens=4)
         seq.num_computed_tokens = computed
         blocks = -(-length // block_size)
         seq.block_table = list(range(next_block, next_block + blocks))

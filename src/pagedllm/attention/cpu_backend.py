@@ -26,3 +26,8 @@ class CpuAttentionBackend(VarlenKernelBackend):
         if self._kernel and cpu_kernels.supports(query, key_cache):
             return None
         return self._torch
+
+    @property
+    def uses_kernel(self) -> bool:
+        """False when the C++ kernel could not be built: every call then takes the torch path."""
+        return self._kernel

@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
         self._finished_ids: list[int] = []  # for the next non-empty SchedulerOutput
+        self.num_prefill_chunks = 0  # cumulative: prompt pieces that stopped short of its end
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,6 +105,7 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         if out.scheduled:  # an empty output is not run, so the ids wait for the next step
             out.finished_seq_ids, self._finished_ids = self._finished_ids, []
+        self.num_prefill_chunks += sum(not s.samples for s in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
