@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
@@ -34,6 +35,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)  # in batch order
     num_batched_tokens: int = 0  # sum of num_new_tokens
     preempted: list[Sequence] = field(default_factory=list)  # preempted during this step
+    # The token mask of the constrained sequences that sample this step (the engine's
+    # structured-output manager fills it while the model runs; rank 0's sampler applies it).
+    grammar: Any = None
 
     @property
     def is_empty(self) -> bool:

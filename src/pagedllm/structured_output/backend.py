@@ -43,6 +43,26 @@ def check_json_schema(schema: dict[str, Any] | bool) -> None:
         ) from e
 
 
+def bounded_strings_as_patterns(node: Any) -> Any:
+    """A copy of a schema whose length-bounded strings are written as patterns.
+
+    xgrammar (0.2.9) turns minLength / maxLength into a character class that admits raw
+    control characters, which JSON forbids in strings; the same bounds as a pattern of
+    legal characters produce only valid documents (escapes aside, which the bound counts
+    ambiguously anyway).
+    """
+    if isinstance(node, list):
+        return [bounded_strings_as_patterns(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: bounded_strings_as_patterns(v) for k, v in node.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format"} & out.keys():
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{"" if hi is None else int(hi)}}}$'
+    return out
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose root is exactly one of the strings (JSON escapes are EBNF escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -101,6 +121,7 @@ class XGrammarBackend:
         kind = params.kind
         if kind in ("json", "json_object"):
             schema = params.schema_dict() if kind == "json" else {"type": "object"}
+            schema = bounded_strings_as_patterns(schema)
             if params.disable_any_whitespace:
                 return c.compile_json_schema(json.dumps(schema), any_whitespace=False)
             return c.compile_json_schema(
