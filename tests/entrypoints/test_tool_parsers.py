@@ -121,3 +121,21 @@ def test_named_and_required_readers():
     content, calls = _reassemble(ConstrainedToolParser(required), text, [5, 40])
     assert [calls[0]["name"], calls[1]["name"]] == ["get_time", "get_weather"]
     assert json.loads(calls[1]["arguments"]) == {"city": "Rome"}
+
+
+def test_auto_tool_choice_needs_a_parser():
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving import ServedModel
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    class NoEngine:
+        def get_tokenizer(self) -> None:
+            return None
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    model = ServedModel(names=["m"], path="m", max_model_len=64)
+    with pytest.raises(ServingError, match="--tool-call-parser"):
+        OpenAIServingChat(NoEngine(), model)._constraint(req, tool_mode(TOOLS, None))
+    with_parser = OpenAIServingChat(NoEngine(), model, tool_call_parser="hermes")
+    assert with_parser._constraint(req, tool_mode(TOOLS, None)) is None
+    assert with_parser._constraint(req, tool_mode(TOOLS, "required")).kind == "json"

@@ -63,6 +63,7 @@ def build_app(
     api_key: str | None = None,
     metrics_need_api_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
@@ -96,7 +97,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
     _add_error_handlers(app)
-    _add_routes(app, engine, model, metrics)
+    _add_routes(app, engine, model, metrics, tool_call_parser)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     app.add_middleware(
         RequestGuard,
@@ -169,13 +170,17 @@ def validation_error_of(errors: Sequence[dict[str, Any]]) -> ServingError:
 
 
 def _add_routes(
-    app: FastAPI, engine: AsyncLLMEngine, model: ServedModel, metrics: PrometheusStatLogger
+    app: FastAPI,
+    engine: AsyncLLMEngine,
+    model: ServedModel,
+    metrics: PrometheusStatLogger,
+    tool_call_parser: str | None = None,
 ) -> None:
     from pagedllm import __version__
 
     base = OpenAIServing(engine, model)
     completion = OpenAIServingCompletion(engine, model)
-    chat = OpenAIServingChat(engine, model)
+    chat = OpenAIServingChat(engine, model, tool_call_parser)
 
     @app.get("/health")
     async def health() -> Response:

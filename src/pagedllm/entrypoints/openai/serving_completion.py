@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.serving import (
     unless_disconnected,
     usage_info,
 )
+from pagedllm.entrypoints.openai.structured import from_request as structured_from_request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -48,12 +49,18 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ServingError("best_of is not supported (only best_of == n).", param="best_of")
         if req.echo and req.logprobs is not None:
             raise ServingError("echo together with logprobs is not supported.", param="echo")
+        constraint = structured_from_request(req)
         prompts = self._prompts(req.prompt)
         requests: list[tuple[PromptType, SamplingParams]] = []
         for prompt in prompts:
             n_tokens = len(prompt["prompt_token_ids"])
             requests.append(
-                (prompt, self.sampling_params(req, n_tokens, req.max_tokens, req.logprobs))
+                (
+                    prompt,
+                    self.sampling_params(
+                        req, n_tokens, req.max_tokens, req.logprobs, structured_outputs=constraint
+                    ),
+                )
             )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.add_requests(request_id, requests)

@@ -66,11 +66,14 @@ class ToolMode:
         return self.kind in ("required", "named")
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of "required" / a named function; compact JSON, since programs
+        read the arguments and free whitespace only costs tokens."""
         if self.kind == "named":
             fn = next(f for f in self.functions if f.name == self.named)
-            return StructuredOutputsParams(json=fn.parameters)
+            return StructuredOutputsParams(json=fn.parameters, disable_any_whitespace=True)
         if self.kind == "required":
-            return StructuredOutputsParams(json=required_schema(self.functions))
+            schema = required_schema(self.functions)
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return None
 
 

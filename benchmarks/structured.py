@@ -1,0 +1,118 @@
+"""Per-step cost of structured outputs: a fully constrained batch vs an unconstrained one.
+
+The 125M Llama benchmark model (random weights) with a 32000-token byte-level BPE tokenizer
+trained by common.build_bench_tokenizer (the model ships none). Each batch decodes with a
+JSON schema (an array of at least 8 records: strings, integers, enums, nested objects), so
+no sequence can finish inside the measured window; the per-step time counts only pure decode
+steps with the whole batch running. "constrained, no overlap" fills the masks on the engine
+thread before the forward, to show what the background fill hides.
+
+    nice -n 10 python benchmarks/structured.py [--batch-sizes 1 8 32] [--steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    build_bench_model,
+    build_bench_tokenizer,
+    default_model_dir,
+    machine,
+)
+
+from pagedllm import SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm.config import EngineArgs  # noqa: E402
+from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 8}},
+    "required": ["records"],
+}
+
+
+def decode_step_times(engine: LLMEngine, batch: int, steps: int, constrained: bool) -> list[float]:
+    rng = random.Random(batch)
+    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
+    for i in range(batch):
+        prompt = [rng.randrange(3, 32000) for _ in range(32)]
+        params = SamplingParams(
+            temperature=1.0, seed=i, max_tokens=steps + 8, ignore_eos=True, structured_outputs=so
+        )
+        engine.add_request(f"{constrained}-{batch}-{i}", prompt, params)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        sched_before = len(engine.scheduler.running)
+        outs = engine.step()
+        elapsed = time.perf_counter() - start
+        pure_decode = all(len(o.outputs[0].token_ids) > 1 for o in outs)
+        if sched_before == batch and len(outs) == batch and pure_decode:
+            times.append(elapsed)
+        if len(times) >= steps:
+            engine.abort_request(list(engine.requests))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    model = build_bench_model(default_model_dir())
+    tokenizer = build_bench_tokenizer(default_model_dir().parent / "tokenizer-32k")
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(model), tokenizer=str(tokenizer), kv_cache_memory_bytes=1 << 30)
+    )
+    manager = engine.structured
+    print(machine())
+    print(f"schema: {json.dumps(SCHEMA)[:80]}...")
+    print(
+        "| batch | free ms/step | constrained ms/step | overhead | no-overlap ms/step |"
+        " mask fill ms/step | wait ms/step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    decode_step_times(engine, 2, 4, True)  # warm-up: kernels, grammar compile cache
+    for batch in args.batch_sizes:
+        free = statistics.median(decode_step_times(engine, batch, args.steps, False))
+        manager._overlap = False
+        serial = statistics.median(decode_step_times(engine, batch, args.steps, True))
+        manager._overlap = True
+        before = (manager.stats.num_steps, manager.stats.fill_seconds, manager.stats.wait_seconds)
+        constrained = statistics.median(decode_step_times(engine, batch, args.steps, True))
+        n = manager.stats.num_steps - before[0]
+        fill = (manager.stats.fill_seconds - before[1]) / n
+        wait = (manager.stats.wait_seconds - before[2]) / n
+        print(
+            f"| {batch} | {free * 1e3:.1f} | {constrained * 1e3:.1f} | "
+            f"{(constrained / free - 1) * 100:+.1f}% | {serial * 1e3:.1f} | "
+            f"{fill * 1e3:.2f} | {wait * 1e3:.2f} |"
+        )
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
