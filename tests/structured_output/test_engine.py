@@ -180,3 +180,14 @@ def test_demo_model_mixed_batch():
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         check(p.structured_outputs, out.outputs[0].text)
     assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_tensor_parallel_constrains_on_rank_zero(tiny_llama):
+    ps = prompts(5, seed=6)
+    one = _greedy_constrained(tiny_llm(tiny_llama), ps)
+    tp = tiny_llm(tiny_llama, tensor_parallel_size=2)
+    try:
+        assert _greedy_constrained(tp, ps) == one
+        assert tp.llm_engine.structured.stats.num_masks > 0
+    finally:
+        tp.llm_engine.shutdown()
