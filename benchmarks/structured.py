@@ -7,7 +7,7 @@ no sequence can finish inside the measured window; the per-step time counts only
 steps with the whole batch running. "constrained, no overlap" fills the masks on the engine
 thread before the forward, to show what the background fill hides.
 
-    nice -n 10 python benchmarks/structured.py [--batch-sizes 1 8 32] [--steps 24]
+    nice -n 10 python benchmarks/structured.py [--batch-sizes 1 8 32] [--steps 16] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def decode_step_times(engine: LLMEngine, batch: int, steps: int, constrained: bo
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     model = build_bench_model(default_model_dir())
     tokenizer = build_bench_tokenizer(default_model_dir().parent / "tokenizer-32k")
@@ -92,24 +93,32 @@ def main() -> None:
     print(f"schema: {json.dumps(SCHEMA)[:80]}...")
     print(
         "| batch | free ms/step | constrained ms/step | overhead | no-overlap ms/step |"
-        " mask fill ms/step | wait ms/step |"
+        " mask fill ms/step | sampler wait ms/step |"
     )
     print("|---|---|---|---|---|---|---|")
     decode_step_times(engine, 2, 4, True)  # warm-up: kernels, grammar compile cache
+    decode_step_times(engine, 2, 4, False)
     for batch in args.batch_sizes:
-        free = statistics.median(decode_step_times(engine, batch, args.steps, False))
-        manager._overlap = False
-        serial = statistics.median(decode_step_times(engine, batch, args.steps, True))
-        manager._overlap = True
-        before = (manager.stats.num_steps, manager.stats.fill_seconds, manager.stats.wait_seconds)
-        constrained = statistics.median(decode_step_times(engine, batch, args.steps, True))
-        n = manager.stats.num_steps - before[0]
-        fill = (manager.stats.fill_seconds - before[1]) / n
-        wait = (manager.stats.wait_seconds - before[2]) / n
+        times: dict[str, list[float]] = {"free": [], "overlap": [], "serial": []}
+        fill = wait = 0.0
+        for _ in range(args.rounds):  # interleaved, so that load drifts hit every mode
+            times["free"] += decode_step_times(engine, batch, args.steps, False)
+            manager._overlap = False
+            times["serial"] += decode_step_times(engine, batch, args.steps, True)
+            manager._overlap = True
+            stats = manager.stats
+            before = (stats.fill_seconds, stats.wait_seconds)
+            run = decode_step_times(engine, batch, args.steps, True)
+            times["overlap"] += run
+            # fill / wait over the whole run (prefill steps too), per measured step
+            fill += (stats.fill_seconds - before[0]) / len(run) / args.rounds
+            wait += (stats.wait_seconds - before[1]) / len(run) / args.rounds
+        free, overlap, serial = (statistics.median(times[k]) for k in ("free", "overlap", "serial"))
         print(
-            f"| {batch} | {free * 1e3:.1f} | {constrained * 1e3:.1f} | "
-            f"{(constrained / free - 1) * 100:+.1f}% | {serial * 1e3:.1f} | "
-            f"{fill * 1e3:.2f} | {wait * 1e3:.2f} |"
+            f"| {batch} | {free * 1e3:.1f} | {overlap * 1e3:.1f} | "
+            f"{(overlap / free - 1) * 100:+.1f}% | {serial * 1e3:.1f} | "
+            f"{fill * 1e3:.2f} | {wait * 1e3:.2f} |",
+            flush=True,
         )
     engine.shutdown()
 

@@ -48,6 +48,7 @@ from pagedllm.entrypoints.openai.serving import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.structured import from_request as structured_from_request
+from pagedllm.entrypoints.openai.structured import precompile
 from pagedllm.entrypoints.openai.tool_parsers import StreamedDelta, ToolParser, get_tool_parser
 from pagedllm.entrypoints.openai.tools import (
     ConstrainedToolParser,
@@ -83,6 +84,7 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.encode(text, add_special=False, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
         params = self.sampling_params(req, len(ids), max_tokens, top, "messages", constraint)
+        await precompile(self.engine, constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": text, "prompt_token_ids": ids}
         streams = await self.add_requests(request_id, [(prompt, params)])

@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.serving import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.structured import from_request as structured_from_request
+from pagedllm.entrypoints.openai.structured import precompile
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise ServingError("echo together with logprobs is not supported.", param="echo")
         constraint = structured_from_request(req)
+        await precompile(self.engine, constraint)
         prompts = self._prompts(req.prompt)
         requests: list[tuple[PromptType, SamplingParams]] = []
         for prompt in prompts:

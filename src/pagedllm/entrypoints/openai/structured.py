@@ -8,9 +8,11 @@ At most one of them may be given. A malformed field is a ServingError (400) nami
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from pagedllm.entrypoints.openai.serving import ServingError
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.serving import ServingError, bad_request
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GUIDED = {
@@ -74,3 +76,14 @@ def from_request(req: Any) -> StructuredOutputsParams | None:
         names = ", ".join(name for name, _ in found)
         raise ServingError(f"give only one output constraint, got {names}.", param=found[1][0])
     return found[0][1] if found else None
+
+
+async def precompile(engine: AsyncLLMEngine, constraint: StructuredOutputsParams | None) -> None:
+    """Compile off the engine thread: the compiler caches the result, so a large schema
+    does not hold up the steps of the streams already running. Errors are 400s."""
+    if constraint is None:
+        return
+    try:
+        await asyncio.to_thread(engine.engine.structured.compile, constraint)
+    except ValueError as e:
+        raise bad_request(e) from e
