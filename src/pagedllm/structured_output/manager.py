@@ -47,6 +47,8 @@ class StructuredOutputStats:
     num_masks: int = 0  # row masks filled
     fill_seconds: float = 0.0  # time the fill thread spent filling masks
     wait_seconds: float = 0.0  # time the sampler waited for a fill still running
+    # Time on the engine thread (the critical path): prepare, wait + apply, advance.
+    engine_seconds: float = 0.0
 
 
 class PendingBitmask:
@@ -66,8 +68,10 @@ class PendingBitmask:
         """Disallowed tokens of the constrained rows of logits [num_sampled, vocab] -> -inf."""
         from pagedllm.structured_output.backend import apply_bitmask
 
+        start = time.perf_counter()
         mask = self.result()
         apply_bitmask(logits, mask.bitmask, mask.rows)
+        self._stats.engine_seconds += time.perf_counter() - start
 
 
 class StructuredOutputManager:
@@ -122,6 +126,13 @@ class StructuredOutputManager:
         """
         if not self._grammars:
             return None
+        start = time.perf_counter()
+        try:
+            return self._prepare(out)
+        finally:
+            self.stats.engine_seconds += time.perf_counter() - start
+
+    def _prepare(self, out: SchedulerOutput) -> PendingBitmask | None:
         self._drop_finished()
         rows: list[int] = []
         grammars: list[Grammar] = []
@@ -158,6 +169,9 @@ class StructuredOutputManager:
     def advance(self, seqs: list[Sequence]) -> list[Sequence]:
         """Feed each constrained sequence its newest token; returns the sequences whose
         grammar has terminated (or rejected the token) and that must finish now."""
+        if not self._grammars:
+            return []
+        start = time.perf_counter()
         done: list[Sequence] = []
         for seq in seqs:
             entry = self._grammars.get(seq.seq_id)
@@ -172,6 +186,7 @@ class StructuredOutputManager:
                 done.append(seq)
             elif grammar.is_terminated():
                 done.append(seq)
+        self.stats.engine_seconds += time.perf_counter() - start
         return done
 
     def release(self, seq_id: int) -> None:
