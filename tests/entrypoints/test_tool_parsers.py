@@ -139,3 +139,12 @@ def test_auto_tool_choice_needs_a_parser():
     with_parser = OpenAIServingChat(NoEngine(), model, tool_call_parser="hermes")
     assert with_parser._constraint(req, tool_mode(TOOLS, None)) is None
     assert with_parser._constraint(req, tool_mode(TOOLS, "required")).kind == "json"
+
+
+def test_required_streams_each_call_when_complete():
+    parser = ConstrainedToolParser(tool_mode(TOOLS, "required"))
+    first = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_w'
+    delta = parser.stream(first, finished=False)
+    assert [(tc.index, tc.name) for tc in delta.tool_calls] == [(0, "get_time")]
+    assert json.loads(delta.tool_calls[0].arguments) == {"zone": "UTC"}
+    assert not parser.stream(first + "eather", finished=False)

@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolParser,
     new_tool_call_id,
 )
+from pagedllm.entrypoints.openai.tool_parsers.hermes import json_value_end
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
@@ -113,6 +114,25 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode:
     )
 
 
+def _complete_elements(text: str) -> list[dict[str, Any]]:
+    """The complete objects of a (possibly unfinished) JSON array of objects."""
+    start = text.find("[")
+    elements: list[dict[str, Any]] = []
+    pos = start + 1 if start >= 0 else len(text)
+    while pos < len(text):
+        if text[pos] in " \t\r\n,":
+            pos += 1
+            continue
+        if text[pos] != "{":
+            break
+        end = json_value_end(text, pos)
+        if end is None:
+            break
+        elements.append(json.loads(text[pos:end]))
+        pos = end
+    return elements
+
+
 class ConstrainedToolParser(ToolParser):
     """Reads the output of "required" / a named function, which the grammar shaped."""
 
@@ -152,10 +172,13 @@ class ConstrainedToolParser(ToolParser):
                 else:
                     out.tool_calls.append(ToolCallDelta(0, arguments=piece))
             return out
-        if finished:  # the array is only parsed once complete
-            extracted = self.extract(text)
-            if not extracted.tools_called:
-                out.content = text
-            for i, call in enumerate(extracted.tool_calls):
-                out.tool_calls.append(ToolCallDelta(i, call.id, call.name, call.arguments))
+        # "required": each call of the array is sent once its object is complete.
+        calls = _complete_elements(text)
+        for i in range(self._sent, len(calls)):
+            call = calls[i]
+            args = json.dumps(call["parameters"], ensure_ascii=False)
+            out.tool_calls.append(ToolCallDelta(i, new_tool_call_id(), call["name"], args))
+        self._sent = len(calls)
+        if finished and not self._sent:  # cut short before a call was complete
+            out.content = text
         return out

@@ -32,7 +32,7 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
-def _json_value_end(text: str, start: int) -> int | None:
+def json_value_end(text: str, start: int) -> int | None:
     """End index of the object / array that starts at text[start] (None: not closed yet)."""
     depth, in_string, escaped = 0, False, False
     for i in range(start, len(text)):
@@ -105,7 +105,7 @@ class HermesToolParser(ToolParser):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         m = _ARGS.search(body)
-        end = _json_value_end(body, m.end()) if m and body[m.end() : m.end() + 1] in "{[" else None
+        end = json_value_end(body, m.end()) if m and body[m.end() : m.end() + 1] in "{[" else None
         # The arguments as the model wrote them, so streamed pieces add up to the same text.
         raw = body[m.end() : end] if m and end else json.dumps(args, ensure_ascii=False)
         return ParsedToolCall(obj["name"], raw)
@@ -140,7 +140,7 @@ class HermesToolParser(ToolParser):
         m = _ARGS.search(body)
         if m is None or body[m.end() : m.end() + 1] not in ("{", "["):
             return
-        end = _json_value_end(body, m.end()) or len(body)
+        end = json_value_end(body, m.end()) or len(body)
         piece = body[m.end() + state.args_sent : end]
         if piece:
             state.args_sent += len(piece)
