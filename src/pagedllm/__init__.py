@@ -17,6 +17,7 @@ _EXPORTS = {
     "LLMEngine": "pagedllm.engine.llm_engine",
     "AsyncLLMEngine": "pagedllm.engine.async_engine",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.structured_output.params",
     "RequestOutput": "pagedllm.core.outputs",
     "CompletionOutput": "pagedllm.core.outputs",
     "Logprob": "pagedllm.core.outputs",
@@ -28,6 +29,7 @@ __all__ = [  # noqa: RUF022 - the order of _EXPORTS
     "LLMEngine",
     "AsyncLLMEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
@@ -48,3 +50,4 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.structured_output.params import StructuredOutputsParams

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # Largest number of top logprobs a request may ask for (per generated / prompt token).
 MAX_LOGPROBS = 20
 
@@ -48,6 +50,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # False: added tokens join the text unspaced
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output
     output_text_buffer_length: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,10 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}.")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams.")
         for name in (
             "ignore_eos",
             "detokenize",

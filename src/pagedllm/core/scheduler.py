@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import Sequence, SequenceStatus
@@ -39,6 +39,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # preempted during this step
     # Sequences finished since the last step the workers ran: they drop their state for them.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # The token mask of the constrained sequences that sample this step (the engine's
+    # structured-output manager fills it while the model runs; rank 0's sampler applies it).
+    grammar: Any = None
 
     @property
     def is_empty(self) -> bool:

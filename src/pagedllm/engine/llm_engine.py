@@ -27,6 +27,7 @@ from pagedllm.engine.tokenizer import (
     stop_token_ids_from_generation_config,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.executor import ExecutorLostError, create_executor
 from pagedllm.worker.model_runner import ModelOutput
 
@@ -55,6 +56,10 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stat_loggers: list[StatLogger] = []
         self._aborted_stats: list[FinishedRequestStats] = []  # recorded by the next step
+        stop_ids = {self.eos_token_id, *self.extra_stop_ids} - {None}
+        self.structured = StructuredOutputManager(
+            self.tokenizer, config.model.hf_config.vocab_size, sorted(stop_ids)
+        )
         self._seq_ids = itertools.count()
         self.startup_seconds = time.perf_counter() - start
         logger.info(
@@ -101,10 +106,13 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams.")
         self._check_params(params)
+        grammar = self._compile_grammar(params)
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         arrival = arrival_time if arrival_time is not None else time.time()
         seqs = self._make_sequences(request_id, prompt_ids, params, arrival)
+        if grammar is not None:
+            self.structured.add(seqs, grammar)
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState.create(
@@ -135,6 +143,14 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled constraint of structured_outputs (None without one); ValueError."""
+        if params.structured_outputs is None:
+            return None
+        if self.config.partition is not None:
+            raise ValueError("structured_outputs is not supported with the edge/cloud split.")
+        return self.structured.compile(params.structured_outputs)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -210,6 +226,7 @@ class LLMEngine:
             t = item.seq.timings
             if t.first_scheduled is None:
                 t.first_scheduled = now
+        sched_out.grammar = self.structured.prepare(sched_out)  # filled during the forward
         try:
             model_out = self.executor.execute_model(sched_out)
         except ExecutorLostError as e:
@@ -219,6 +236,8 @@ class LLMEngine:
             failed = {item.seq.request_id for item in sched_out.scheduled}
             return self._fail_requests(failed, f"model step failed: {e}", iteration)
         updated = self.scheduler.update(sched_out, model_out.sampled)
+        for seq in self.structured.advance(updated):  # the grammar ended (or was violated)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         outputs = self._process(sched_out, model_out, updated, iteration)
         self._record(iteration)
         return outputs
@@ -366,4 +385,5 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

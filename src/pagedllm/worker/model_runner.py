@@ -28,7 +28,7 @@ from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.models.loader import DTYPES, load_model
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import Sampler, TokenLogprobs, gather_logprobs
+from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class ModelInput:
     sample_seqs: list[Sequence]  # the sequences sampled this step
     sample_rows: list[int]  # their rows in logits_indices
     prompt_logprob_rows: list[tuple[Sequence, int, int]]  # (seq, first logits row, count)
+    grammar: GrammarMask | None = None  # token mask of the constrained sampled rows
 
 
 @dataclass
@@ -215,6 +216,7 @@ class ModelRunner:
             sample_seqs=sample_seqs,
             sample_rows=sample_rows,
             prompt_logprob_rows=plp,
+            grammar=out.grammar,
         )
 
     @torch.inference_mode()
@@ -241,7 +243,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(inp, logits)
         if len(inp.sample_rows) < logits.shape[0]:
             logits = logits[inp.sample_rows]
-        sampler_out = self.sampler(logits, inp.sample_seqs)
+        sampler_out = self.sampler(logits, inp.sample_seqs, inp.grammar)
         ids = [s.seq_id for s in inp.sample_seqs]
         return ModelOutput(
             sampled=dict(zip(ids, sampler_out.token_ids)),

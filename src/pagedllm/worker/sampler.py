@@ -8,6 +8,7 @@ samples the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -20,6 +21,13 @@ from pagedllm.sampling_params import SamplingParams
 class SamplerOutput:
     token_ids: list[int]  # one per sampled sequence, in batch order
     logprobs: list[TokenLogprobs | None]  # per sequence: top-k and the sampled token
+
+
+class GrammarMask(Protocol):
+    """A step's structured-output token mask (see structured_output.manager)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set disallowed tokens of the constrained rows of logits [rows, vocab] to -inf."""
 
 
 def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
@@ -54,10 +62,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Before min_tokens, EOS and stop tokens cannot be sampled."""
+    """Before min_tokens, EOS and stop tokens cannot be sampled (a grammar, which allows
+    EOS only once its output is complete, takes precedence)."""
     for row, seq in enumerate(seqs):
         p = seq.sampling_params
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens < p.min_tokens and p.structured_outputs is None:
             banned = list(p.stop_token_ids)
             if seq.eos_token_id is not None and not p.ignore_eos:
                 banned.append(seq.eos_token_id)
@@ -105,12 +114,16 @@ class Sampler:
             self._generators[seq.seq_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarMask | None = None
+    ) -> SamplerOutput:
         """logits [num_seqs, vocab] (float32) at each sequence's last position."""
         raw_logprobs = None
         if any(s.sampling_params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = mask_early_stops(apply_penalties(logits, seqs), seqs)
+        if grammar is not None:
+            grammar.apply(logits)  # waits for the mask filled during the forward
         params = [s.sampling_params for s in seqs]
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0.0 for p in params):

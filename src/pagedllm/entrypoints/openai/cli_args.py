@@ -7,6 +7,7 @@ import argparse
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
+from pagedllm.entrypoints.openai.tool_parsers import tool_parser_names
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -75,6 +76,17 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         help="with --partition: edge serves this API and runs the first layers; cloud runs "
         "the rest for one edge, listening on --partition-address (same as --partition-role)",
     )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=tool_parser_names(),
+        default=None,
+        help='how tool calls are read from the output for tool_choice "auto" (vLLM\'s names)',
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
+    )
     p.set_defaults(func=_serve)
     return p
 
@@ -99,4 +111,5 @@ def _serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key,
         metrics_need_api_key=not ns.disable_metrics_auth,
         max_request_bytes=ns.max_request_bytes,
+        tool_call_parser=ns.tool_call_parser,
     )

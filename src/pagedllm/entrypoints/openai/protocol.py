@@ -100,6 +100,14 @@ class SamplingFields(OpenAIRequest):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output constraints: OpenAI's response_format, vLLM's structured_outputs and the older
+    # guided_* fields (structured.py turns them into StructuredOutputsParams).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -131,10 +139,8 @@ class ChatMessage(OpenAIRequest):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
-
-
-class ResponseFormat(OpenAIRequest):
-    type: Literal["text"]  # structured outputs are not served
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -145,8 +151,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="with logprobs: true (ignored without)"
     )
-    tools: list[Any] | None = Field(None, max_length=0, description="not supported")
-    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # accepted; calls are never limited to one
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
@@ -213,9 +220,41 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None  # on the call's first delta only
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -238,6 +277,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -78,6 +78,7 @@ def build_app(
     api_key: str | None = None,
     metrics_need_api_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
@@ -112,7 +113,7 @@ def build_app(
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
     engine.engine.add_stat_logger(MonitorStatLogger(app.state.monitor))
     _add_error_handlers(app)
-    _add_routes(app, engine, model, metrics)
+    _add_routes(app, engine, model, metrics, tool_call_parser)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     vocab_size = engine.engine.config.model.hf_config.vocab_size
     install_openapi(app, vocab_size, open_paths if api_key is not None else None)
@@ -195,13 +196,17 @@ def validation_error_of(errors: Sequence[dict[str, Any]]) -> ServingError:
 
 
 def _add_routes(
-    app: FastAPI, engine: AsyncLLMEngine, model: ServedModel, metrics: PrometheusStatLogger
+    app: FastAPI,
+    engine: AsyncLLMEngine,
+    model: ServedModel,
+    metrics: PrometheusStatLogger,
+    tool_call_parser: str | None = None,
 ) -> None:
     from pagedllm import __version__
 
     base = OpenAIServing(engine, model)
     completion = OpenAIServingCompletion(engine, model)
-    chat = OpenAIServingChat(engine, model)
+    chat = OpenAIServingChat(engine, model, tool_call_parser)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:

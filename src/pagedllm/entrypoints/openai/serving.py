@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -118,6 +119,7 @@ class OpenAIServing:
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text of a conversation, by the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
@@ -134,13 +136,16 @@ class OpenAIServing:
                 f"chat_template_kwargs may not set {', '.join(reserved)}.",
                 param="chat_template_kwargs",
             )
-        conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+        conversation = [template_message(m) for m in messages]
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools  # templates of tool-tuned models list them in the prompt
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+                **extra,
             )
         except Exception as e:  # a template error is the request's fault (roles, fields)
             raise ServingError(
@@ -157,6 +162,7 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_param: str = "prompt",
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """SamplingParams of a request, after the context-length check; errors are 400s."""
         if req.logit_bias:
@@ -195,6 +201,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             raise bad_request(e, req) from e
@@ -316,6 +323,32 @@ def message_text(message: ChatMessage) -> str:
             )
         parts.append(part.text)
     return "\n".join(parts)
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it; a tool call's arguments as an object (templates
+    write them with tojson, which would quote a JSON string again)."""
+    out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError as e:
+                    raise ServingError(
+                        f"a tool call's arguments are not JSON: {e}", param="messages"
+                    ) from e
+            call["function"] = fn
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
 
 
 def bad_request(error: ValueError, req: BaseModel | None = None) -> ServingError:

@@ -35,6 +35,8 @@ from pagedllm.entrypoints.openai.serving import (
     top_entries,
     usage_info,
 )
+from pagedllm.entrypoints.openai.structured import from_request as structured_from_request
+from pagedllm.entrypoints.openai.structured import precompile
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -53,6 +55,8 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | StreamingResponse:
         """The response, or for ``stream: true`` the server-sent events to send."""
         self.check_model(req.model)
+        constraint = structured_from_request(req)
+        await precompile(self.engine, constraint)
         prompts = self._prompts(req.prompt)
         scored = req.echo and req.logprobs is not None
         # max_tokens 0 still runs one step (the prompt's logprobs come from it); its token
@@ -67,6 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 max_tokens,
                 req.logprobs,
                 prompt_logprobs=req.logprobs if scored else None,
+                structured_outputs=constraint,
             )
             requests.append((prompt, params))
         echoes = [
