@@ -1,0 +1,42 @@
+"""Prompt-lookup proposals: longest suffix n-gram, latest occurrence, bounded length."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.worker.spec_decode.ngram import NgramProposer
+
+
+def test_proposes_what_followed_the_latest_match() -> None:
+    prop = NgramProposer(k=3, min_n=1, max_n=3)
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6]
+    # suffix [5, 6] (n=2; [1, 5, 6] never occurred): matches at 0 and 5; latest is 5 -> 7, 1, 5
+    assert prop.propose(tokens) == [7, 1, 5]
+
+
+def test_prefers_the_longest_ngram() -> None:
+    prop = NgramProposer(k=2, min_n=1, max_n=3)
+    # suffix 3-gram [1, 2, 3] occurred at 0 (-> 4, 4); the 1-gram [3] also at 7 (-> 9)
+    tokens = [1, 2, 3, 4, 4, 0, 0, 3, 9, 1, 2, 3]
+    assert prop.propose(tokens) == [4, 4]
+
+
+def test_no_match_or_too_short_proposes_nothing() -> None:
+    prop = NgramProposer(k=4, min_n=2, max_n=4)
+    assert prop.propose([1, 2, 3, 4, 5]) == []
+    assert prop.propose([7]) == []
+    assert prop.propose([1, 2, 1, 2], k=0) == []
+
+
+def test_overlapping_run_and_end_of_history() -> None:
+    prop = NgramProposer(k=5, min_n=2, max_n=3)
+    # a run: the suffix [7, 7, 7] matches one step back, so only one token follows it
+    assert prop.propose([1, 7, 7, 7, 7]) == [7]
+    # fewer than k tokens follow the match
+    assert prop.propose([4, 5, 6, 4, 5]) == [6, 4, 5]
+
+
+def test_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer(k=2, min_n=3, max_n=2)
