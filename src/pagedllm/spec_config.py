@@ -43,7 +43,9 @@ def parse_speculative_config(raw: dict[str, Any] | str | None) -> SpeculativeCon
         raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}.")
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
-        raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(_KEYS)}.")
+        raise ValueError(
+            f"speculative_config has unknown fields {unknown}; known: {sorted(_KEYS)}."
+        )
     method = raw.get("method") or ("draft_model" if raw.get("model") else None)
     if method not in METHODS:
         raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedllm.worker.spec_decode.ngram import NgramProposer
@@ -40,3 +42,27 @@ def test_overlapping_run_and_end_of_history() -> None:
 def test_rejects_bad_bounds() -> None:
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(k=2, min_n=3, max_n=2)
+
+
+def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = tokens[num - n :]
+        for start in range(num - 1 - n, -1, -1):  # latest first; must end before the last
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_matches_brute_force_on_random_sequences() -> None:
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        prop = NgramProposer(k=3, min_n=min_n, max_n=max_n)
+        expected = brute_force(tokens, 3, min_n, max_n)
+        assert prop.propose(tokens) == expected, (tokens, min_n, max_n)
+        checked += bool(expected)
+    assert checked > 500

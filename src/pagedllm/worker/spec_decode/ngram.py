@@ -5,7 +5,6 @@ input (code edits, extraction, summaries that quote)."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -15,7 +14,9 @@ class NgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({min_n}) <= prompt_lookup_max ({max_n})")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({min_n}) <= prompt_lookup_max ({max_n})."
+            )
         self.k = k
         self.min_n = min_n
         self.max_n = max_n
@@ -27,20 +28,23 @@ class NgramProposer:
         num = tokens.shape[0]
         if k <= 0 or num < self.min_n + 1:
             return []
-        # Matches may overlap the suffix (a run "a a a" predicts "a") but must end before the
-        # last token, so that at least one token follows them.
-        history = tokens[: num - 1]
-        max_n = min(self.max_n, num - 1)
-        best_start = -1
-        for n in range(max_n, self.min_n - 1, -1):
-            suffix = tokens[num - n :]
-            if history.shape[0] < n:
-                continue
-            windows = sliding_window_view(history, n)  # [num - n, n], a view
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                best_start = int(hits[-1]) + n  # the token after the latest match
-                break
-        if best_start < 0:
+        # Candidate match ends: earlier positions holding the last token. A match may overlap
+        # the suffix (a run "a a a" predicts "a") but ends before the last token, so that at
+        # least one token follows it. One vectorised pass per extra n-gram length.
+        ends = np.flatnonzero(tokens[: num - 1] == tokens[num - 1])
+        if ends.size == 0:
             return []
-        return tokens[best_start : best_start + k].tolist()
+        length = np.ones(ends.shape[0], dtype=np.int64)
+        alive = np.ones(ends.shape[0], dtype=bool)
+        for j in range(1, min(self.max_n, num - 1)):
+            prev = ends - j
+            alive &= prev >= 0
+            alive &= tokens[np.maximum(prev, 0)] == tokens[num - 1 - j]
+            if not alive.any():
+                break
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
+        return tokens[start : start + k].tolist()
