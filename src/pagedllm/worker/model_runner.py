@@ -7,7 +7,7 @@ import math
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.models.loader import DTYPES, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import Sampler, TokenLogprobs, gather_logprobs
+from pagedllm.worker.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,17 @@ class ModelInput:
     sample_seqs: list[Sequence]  # the sequences sampled this step
     sample_rows: list[int]  # their rows in logits_indices
     prompt_logprob_rows: list[tuple[Sequence, int, int]]  # (seq, first logits row, count)
+    verify_seqs: list[Sequence] = field(default_factory=list)  # sequences verifying drafts
+    verify_drafts: list[list[int]] = field(default_factory=list)  # their drafts
+    verify_rows: list[int] = field(default_factory=list)  # len(drafts) + 1 logits rows each
 
 
 @dataclass
 class ModelOutput:
-    sampled: dict[int, int]  # seq_id -> new token id
+    sampled: dict[int, list[int]]  # seq_id -> new tokens (with drafts: accepted ones + 1)
     logprobs: dict[int, TokenLogprobs]  # seq_id -> logprobs of the new token
     prompt_logprobs: dict[int, list[TokenLogprobs | None]]  # seq_id -> this chunk's positions
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # next step's drafts
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.device.attention_backend, self.device)
         self.sampler = Sampler(self.device)
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = Speculator(
+                config.speculative, self.device, self.sampler.generator_for
+            )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_buffer: mmap.mmap | None = None  # backs the CPU cache (see _zeroed)
 
@@ -140,10 +150,12 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         query_lens, seq_lens, logits_idx, sample_seqs, sample_rows, plp = [], [], [], [], [], []
+        verify_seqs, verify_drafts, verify_rows = [], [], []
         for item in out.scheduled:
-            seq, n = item.seq, item.num_new_tokens
+            seq, n, drafts = item.seq, item.num_new_tokens, item.spec_token_ids
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_ids[start : start + n - len(drafts)])
+            ids.extend(drafts)
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             positions.append(pos)
@@ -153,7 +165,12 @@ class ModelRunner:
                 count = min(n, seq.num_prompt_tokens - start)
                 plp.append((seq, len(logits_idx), count))
                 logits_idx.extend(range(first, first + count))
-            if item.samples:
+            if item.samples and drafts:  # logits after the last token and after each draft
+                verify_seqs.append(seq)
+                verify_drafts.append(drafts)
+                verify_rows.extend(range(len(logits_idx), len(logits_idx) + len(drafts) + 1))
+                logits_idx.extend(range(first + n - len(drafts) - 1, first + n))
+            elif item.samples:
                 sample_rows.append(len(logits_idx))
                 logits_idx.append(first + n - 1)
                 sample_seqs.append(seq)
@@ -184,6 +201,9 @@ class ModelRunner:
             sample_seqs=sample_seqs,
             sample_rows=sample_rows,
             prompt_logprob_rows=plp,
+            verify_seqs=verify_seqs,
+            verify_drafts=verify_drafts,
+            verify_rows=verify_rows,
         )
 
     @torch.inference_mode()
@@ -202,20 +222,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_output(self, inp: ModelInput, hidden: torch.Tensor) -> ModelOutput:
-        """Logits where needed, prompt logprobs and the sampled tokens."""
+        """Logits where needed, prompt logprobs, the sampled tokens and the next drafts."""
         if inp.logits_indices.numel() == 0:
             return ModelOutput({}, {}, {})
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
-        prompt_logprobs = self._prompt_logprobs(inp, logits)
-        if len(inp.sample_rows) < logits.shape[0]:
-            logits = logits[inp.sample_rows]
-        sampler_out = self.sampler(logits, inp.sample_seqs)
-        ids = [s.seq_id for s in inp.sample_seqs]
-        return ModelOutput(
-            sampled=dict(zip(ids, sampler_out.token_ids)),
-            logprobs={i: lp for i, lp in zip(ids, sampler_out.logprobs) if lp is not None},
-            prompt_logprobs=prompt_logprobs,
-        )
+        out = ModelOutput({}, {}, self._prompt_logprobs(inp, logits))
+        if inp.sample_seqs:
+            rows = logits
+            if len(inp.sample_rows) < logits.shape[0]:
+                rows = logits[torch.tensor(inp.sample_rows, device=logits.device)]
+            sampler_out = self.sampler(rows, inp.sample_seqs)
+            for seq, token, lp in zip(inp.sample_seqs, sampler_out.token_ids, sampler_out.logprobs):
+                out.sampled[seq.seq_id] = [token]
+                if lp is not None:
+                    out.logprobs[seq.seq_id] = lp
+        if self.speculator is not None:
+            self._speculate(inp, logits, out)
+        return out
+
+    def _speculate(self, inp: ModelInput, logits: torch.Tensor, out: ModelOutput) -> None:
+        """Verify this step's drafts, then propose the next step's."""
+        assert self.speculator is not None
+        if inp.verify_seqs:
+            rows = logits[torch.tensor(inp.verify_rows, device=logits.device)]
+            verified = self.speculator.verify(rows, inp.verify_seqs, inp.verify_drafts)
+            for seq, tokens in zip(inp.verify_seqs, verified.token_ids):
+                out.sampled[seq.seq_id] = tokens
+        seqs = inp.sample_seqs + inp.verify_seqs
+        out.spec_token_ids = self.speculator.propose(seqs, [out.sampled[s.seq_id] for s in seqs])
 
     def _prompt_logprobs(
         self, inp: ModelInput, logits: torch.Tensor
@@ -238,3 +272,5 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.release(seq_id)
