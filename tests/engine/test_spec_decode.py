@@ -37,19 +37,25 @@ class SpecCounter:
 
 
 class OracleProposer:
-    """Proposes the known greedy continuation with every third draft position wrong, so that
-    steps accept some drafts and reject the rest at varying offsets."""
+    """Proposes the known greedy continuation with every wrong_every-th position wrong (0:
+    none), so that steps accept some drafts and reject the rest at varying offsets."""
 
-    def __init__(self, continuations: list[list[int]], k: int) -> None:
+    def __init__(self, continuations: list[list[int]], k: int, wrong_every: int) -> None:
         self.continuations = continuations
         self.k = k
+        self.wrong_every = wrong_every
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
         n = len(token_ids)
         for full in self.continuations:
             if full[:n] == token_ids:
                 drafts = full[n : n + self.k]
-                return [(t + 1) % VOCAB if (n + j) % 3 == 2 else t for j, t in enumerate(drafts)]
+                if not self.wrong_every:
+                    return drafts
+                w = self.wrong_every
+                return [
+                    (t + 1) % VOCAB if (n + j) % w == w - 1 else t for j, t in enumerate(drafts)
+                ]
         return []
 
 
@@ -77,45 +83,43 @@ def count_chunks(llm: LLM) -> list[int]:
     return chunks
 
 
-def generate_twice(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Two rounds: the second finds the first one's blocks in the prefix cache."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = []
-    for _ in range(2):
-        outs += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.block_manager.usage == 0.0
-    return outs
-
-
 # 2 layers x K,V x 4 slots x 2 heads x 16 dims x 4 bytes = 2 KiB per block: 24 blocks hold
 # 96 tokens, fewer than 4 running sequences need together (up to ~300), so some are preempted.
 REGIMES = dict(max_num_batched_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=24 * 2048)
+
+
+def with_oracle(llm: LLM, continuations: list[list[int]], wrong_every: int = 3) -> SpecCounter:
+    speculator = llm.llm_engine.executor.runner.speculator
+    speculator.proposer = OracleProposer(continuations, k=4, wrong_every=wrong_every)
+    speculator.gate.min_accepted = 0.0  # verify every proposal
+    counter = SpecCounter()
+    llm.llm_engine.add_stat_logger(counter)
+    return counter
 
 
 @pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
 def test_greedy_identical_with_rollbacks(model_factory, arch: str) -> None:
     model_dir = model_factory(arch)
     prompts = prompts_with_shared_prefix(seed=11)
-    max_tokens = 24
-    plain = generate_twice(make_llm(model_dir, None, **REGIMES), prompts, max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain_llm = make_llm(model_dir, None, **REGIMES)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
 
     llm = make_llm(model_dir, NGRAM, **REGIMES)
-    runner = llm.llm_engine.executor.runner
-    full = [p + out for p, out in zip(prompts, plain)]
-    runner.speculator.proposer = OracleProposer(full, k=4)
-    runner.speculator.gate.min_accepted = 0.0  # verify every proposal
-    counter = SpecCounter()
-    llm.llm_engine.add_stat_logger(counter)
+    counter = with_oracle(llm, [p + out for p, out in zip(prompts, plain)])
     chunks = count_chunks(llm)
-    got = generate_twice(llm, prompts, max_tokens)
+    got = []
+    for _ in range(2):  # the second round finds the first one's blocks in the prefix cache
+        got.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.block_manager.usage == 0.0
 
-    assert got == plain
+    assert got == [plain, plain]
     engine = llm.llm_engine
     assert chunks[0] > 0
-    assert engine.block_manager.prefix_cache_hits >= 5 * 24
+    assert engine.block_manager.prefix_cache_hits >= len(prompts) * 24
     assert engine.scheduler.num_preemptions > 0
-    assert counter.accepted > 100
+    assert counter.accepted > 50
     assert counter.accepted < counter.draft_tokens  # rejections happened too
 
 
@@ -135,3 +139,63 @@ def test_ngram_greedy_identical(model_factory, arch: str) -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     llm.llm_engine.check_integrity()
     assert counter.drafts > 0 and counter.accepted > 0
+
+
+def outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.check_integrity()
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def stop_setup(model_factory):
+    """A llama model, its plain greedy continuations, and an engine whose drafts are always
+    right, so that each step after the first accepts all 4 drafts."""
+    model_dir = model_factory("llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(12)] for _ in range(3)]
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain_llm = make_llm(model_dir, None)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, long, use_tqdm=False)]
+    spec_llm = make_llm(model_dir, NGRAM)
+    counter = with_oracle(spec_llm, [p + out for p, out in zip(prompts, plain)], wrong_every=0)
+    return plain_llm, spec_llm, counter, prompts, plain
+
+
+def test_max_tokens_inside_an_accepted_run(stop_setup) -> None:
+    plain_llm, spec_llm, counter, prompts, _ = stop_setup
+    for max_tokens in (3, 7, 8):  # 1 + 5 + ...: the limit falls inside a run of drafts
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        got = outputs(spec_llm, prompts, params)
+        assert got == outputs(plain_llm, prompts, params)
+        assert all(len(tokens) == max_tokens for tokens, *_ in got)
+    assert counter.accepted > 0
+
+
+def test_stop_token_inside_an_accepted_run(stop_setup) -> None:
+    plain_llm, spec_llm, counter, prompts, plain = stop_setup
+    before = counter.accepted
+    for position in (3, 4, 9):
+        stop_id = plain[0][position]
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id])
+        got = outputs(spec_llm, prompts, params)
+        assert got == outputs(plain_llm, prompts, params)
+        first_stop = plain[0].index(stop_id)
+        assert got[0][0] == plain[0][: first_stop + 1] and got[0][2] == "stop"
+    assert counter.accepted > before
+
+
+def test_stop_string_inside_an_accepted_run(stop_setup) -> None:
+    plain_llm, spec_llm, counter, prompts, _ = stop_setup
+    before = counter.accepted
+    full = outputs(plain_llm, prompts, SamplingParams(temperature=0.0, max_tokens=40))
+    text = full[0][1]
+    stops = 0
+    for start in (len(text) // 4, len(text) // 2):
+        stop = text[start : start + 3]
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop=[stop])
+        got = outputs(spec_llm, prompts, params)
+        assert got == outputs(plain_llm, prompts, params)
+        stops += got[0][2] == "stop" and got[0][3] == stop
+    assert stops == 2
+    assert counter.accepted > before
