@@ -45,6 +45,15 @@ class SpecDecodingStats:
         for j in range(num_accepted):
             per_pos[j] += 1
 
+    def merge(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for j, count in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[j] += count
+
 
 @dataclass
 class IterationStats:
