@@ -33,10 +33,10 @@ def test_no_match_or_too_short_proposes_nothing() -> None:
 
 def test_overlapping_run_and_end_of_history() -> None:
     prop = NgramProposer(k=5, min_n=2, max_n=3)
-    # a run: the suffix [7, 7, 7] matches one step back, so only one token follows it
-    assert prop.propose([1, 7, 7, 7, 7]) == [7]
-    # fewer than k tokens follow the match
-    assert prop.propose([4, 5, 6, 4, 5]) == [6, 4, 5]
+    # a run: the suffix [7, 7, 7] matches one step back; the run is assumed to go on
+    assert prop.propose([1, 7, 7, 7, 7]) == [7] * 5
+    # fewer than k tokens follow the match: the period-3 loop continues
+    assert prop.propose([4, 5, 6, 4, 5]) == [6, 4, 5, 6, 4]
 
 
 def test_rejects_bad_bounds() -> None:
@@ -50,7 +50,10 @@ def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         suffix = tokens[num - n :]
         for start in range(num - 1 - n, -1, -1):  # latest first; must end before the last
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                extended = list(tokens)
+                while len(extended) < start + n + k:  # repeat with the match's period
+                    extended.append(extended[len(extended) - (num - start - n)])
+                return extended[start + n : start + n + k]
     return []
 
 

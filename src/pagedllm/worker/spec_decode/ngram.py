@@ -22,7 +22,7 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, token_ids: list[int] | np.ndarray, k: int | None = None) -> list[int]:
-        """Up to k draft tokens (fewer near the end of a match, none without a match)."""
+        """k draft tokens after the longest suffix match, none without a match."""
         k = self.k if k is None else k
         tokens = np.asarray(token_ids, dtype=np.int64)
         num = tokens.shape[0]
@@ -47,4 +47,10 @@ class NgramProposer:
         if best < self.min_n:
             return []
         start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
-        return tokens[start : start + k].tolist()
+        proposal = tokens[start : start + k].tolist()
+        # A match close to the end runs out of history; the text is assumed to go on repeating
+        # with the match's period (a loop "x y x y" predicts "x y x y ..." for any k).
+        period = num - start
+        while len(proposal) < k:
+            proposal.append(proposal[len(proposal) - period])
+        return proposal
