@@ -84,6 +84,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    num_lookahead_slots: int = 0  # KV slots past a step's tokens (a draft model's decodes)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,8 @@ class EngineArgs:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         partition = self._partition_config(hf_config)
+        speculative = self._speculative_config(hf_config)
+        lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -216,6 +219,7 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                num_lookahead_slots=lookahead,
             ),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,
@@ -231,7 +235,7 @@ class EngineArgs:
                 self.attention_backend or envs.PAGEDLLM_ATTENTION_BACKEND(),
             ),
             partition=partition,
-            speculative=self._speculative_config(hf_config),
+            speculative=speculative,
         )
 
     def _speculative_config(self, hf_config: Any) -> SpeculativeConfig | None:

@@ -199,3 +199,49 @@ def test_stop_string_inside_an_accepted_run(stop_setup) -> None:
         stops += got[0][2] == "stop" and got[0][3] == stop
     assert stops == 2
     assert counter.accepted > before
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_draft_model_greedy_identical(model_factory, arch: str) -> None:
+    """The target as its own draft: every greedy draft is accepted. A different, smaller
+    draft: most are rejected. Both give the plain output, through chunked prefill, prefix
+    hits and preemption (the draft's cache shares the target's blocks)."""
+    model_dir = model_factory(arch)
+    small = model_factory(arch, seed=1, num_hidden_layers=1)
+    prompts = prompts_with_shared_prefix(seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    regimes = dict(REGIMES, kv_cache_memory_bytes=48 * 2048)  # two caches share the blocks
+    plain = [
+        o.outputs[0].token_ids
+        for o in make_llm(model_dir, None, **REGIMES).generate(prompts, params, use_tqdm=False)
+    ]
+    for draft, all_accepted in ((model_dir, True), (small, False)):
+        llm = make_llm(model_dir, {"model": str(draft), "num_speculative_tokens": 3}, **regimes)
+        counter = SpecCounter()
+        llm.llm_engine.add_stat_logger(counter)
+        for _ in range(2):
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert got == plain
+            llm.llm_engine.check_integrity()
+        engine = llm.llm_engine
+        assert engine.block_manager.prefix_cache_hits >= len(prompts) * 24
+        assert engine.scheduler.num_preemptions > 0
+        assert counter.draft_tokens > 0
+        assert (counter.accepted == counter.draft_tokens) == all_accepted
+
+
+def test_draft_equal_to_target_accepts_sampled_drafts(model_factory) -> None:
+    """With q == p (the target as draft, the same temperature / top-k / top-p), speculative
+    sampling accepts every draft: the draft distribution is built as the target's is."""
+    model_dir = model_factory("qwen2")
+    llm = make_llm(model_dir, {"model": str(model_dir), "num_speculative_tokens": 3})
+    counter = SpecCounter()
+    llm.llm_engine.add_stat_logger(counter)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(10)] for _ in range(3)]
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=5, max_tokens=24)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert counter.draft_tokens > 20
+    assert counter.accepted >= 0.95 * counter.draft_tokens

@@ -111,8 +111,11 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             drafts = self._drafts_for(seq, num_new, budget)
-            # Drafts only get blocks that are free: no sequence is preempted for a guess.
-            if drafts and not self.block_manager.allocate(seq, num_new + len(drafts)):
+            samples = seq.num_computed_tokens + num_new == seq.num_tokens
+            extra = len(drafts) + (self.config.num_lookahead_slots if samples else 0)
+            # Drafts and lookahead slots only get blocks that are free: no sequence is
+            # preempted for a guess.
+            if extra and not self.block_manager.allocate(seq, num_new + extra):
                 drafts = []
             if not drafts and not self._allocate_or_preempt(seq, num_new, out):
                 break  # seq itself was preempted, and with it everything after it
@@ -224,8 +227,7 @@ class Scheduler:
             # the positions they hold. Rejected drafts' slots are rolled back (recomputed over
             # later), and blocks that only they reached are freed, never cached.
             seq.num_computed_tokens = seq.num_tokens - 1
-            if item.spec_token_ids:
-                bm.trim(seq, seq.num_tokens)
+            bm.trim(seq, seq.num_tokens)
             bm.cache_full_blocks(seq)
             seq.spec_token_ids = proposals.get(seq.seq_id, [])
             updated.append(seq)

@@ -72,7 +72,7 @@ class ModelRunner:
         self.speculator: Speculator | None = None
         if config.speculative is not None:
             self.speculator = Speculator(
-                config.speculative, self.device, self.sampler.generator_for
+                config.speculative, config.model, self.device, self.sampler.generator_for
             )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_buffer: mmap.mmap | None = None  # backs the CPU cache (see _zeroed)
@@ -82,7 +82,11 @@ class ModelRunner:
         layers = self.model.attention_layers()
         attn = layers[0]
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        per_token = len(layers) * attn.num_kv_heads * attn.head_dim
+        if self.speculator is not None and self.speculator.draft is not None:
+            draft_layers, heads, dim = self.speculator.draft.kv_cache_shape()
+            per_token += draft_layers * heads * dim  # the draft's cache shares the block ids
+        return 2 * self.block_size * per_token * elem
 
     def kv_cache_budget(self) -> int:
         """Bytes the KV cache may take: explicit, else from device memory or the CPU default."""
@@ -133,6 +137,16 @@ class ModelRunner:
         self.kv_caches = [(views[i, 0], views[i, 1]) for i in range(len(attn))]
         for layer, (k, v) in zip(attn, self.kv_caches):
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
+        if self.speculator is not None and self.speculator.draft is not None:
+            self._allocate_draft_kv_cache(num_blocks)
+
+    def _allocate_draft_kv_cache(self, num_blocks: int) -> None:
+        assert self.speculator is not None and self.speculator.draft is not None
+        layers, heads, dim = self.speculator.draft.kv_cache_shape()
+        shape = (num_blocks, self.block_size, heads, dim)
+        views = self._zeroed(2 * layers * math.prod(shape)).view(layers, 2, *shape)
+        caches = [(views[i, 0], views[i, 1]) for i in range(layers)]
+        self.speculator.draft.bind_kv_cache(caches, self.backend, self.block_size)
 
     def _zeroed(self, numel: int) -> torch.Tensor:
         """A zero tensor; on the CPU backed by anonymous memory that the OS zeroes on first
@@ -209,7 +223,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         inp = self.prepare_input(out)
-        return self.compute_output(inp, self.forward(inp))
+        hidden = self.forward(inp)
+        if self.speculator is not None:
+            self.speculator.catch_up(inp)
+        return self.compute_output(inp, hidden)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,14 +4,20 @@ sampler and proposes the next step's drafts, sequence by sequence, behind the ad
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm.config import ModelConfig
 from pagedllm.core.sequence import Sequence
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.worker.spec_decode.adaptive import AdaptiveGate
+from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker.spec_decode.ngram import NgramProposer
 from pagedllm.worker.spec_decode.rejection_sampler import RejectionOutput, RejectionSampler
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelInput
 
 
 def speculates(seq: Sequence, num_output_tokens: int) -> bool:
@@ -32,39 +38,60 @@ class Speculator:
     def __init__(
         self,
         config: SpeculativeConfig,
+        target: ModelConfig,
         device: torch.device,
         generator_for: Callable[[Sequence], torch.Generator],
     ) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} has no proposer here.")
         self.config = config
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.generator_for = generator_for
+        self.ngram: NgramProposer | None = None
+        self.draft: DraftModelProposer | None = None
+        k = config.num_speculative_tokens
+        if config.method == "ngram":
+            self.ngram = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            assert config.model is not None
+            self.draft = DraftModelProposer(config.model, k, target, device)
         self.gate = AdaptiveGate()
         self.rejection_sampler = RejectionSampler(device, generator_for)
+
+    def catch_up(self, inp: ModelInput) -> None:
+        """A draft model computes K/V wherever the target did this step."""
+        if self.draft is not None:
+            self.draft.catch_up(inp.input_ids, inp.positions, inp.metadata)
 
     def verify(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
     ) -> RejectionOutput:
         """logits: len(drafts[i]) + 1 rows per sequence, consecutive."""
-        out = self.rejection_sampler(logits, seqs, drafts)
+        q = self.draft.draft_probs(seqs, drafts) if self.draft is not None else None
+        out = self.rejection_sampler(logits, seqs, drafts, q)
         for seq, d, n in zip(seqs, drafts, out.num_accepted):
             self.gate.observe(seq.seq_id, len(d), n)
         return out
 
     def propose(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> dict[int, list[int]]:
         """Drafts for the next step of each sequence, given the tokens this step adds."""
+        chosen = [
+            (seq, tokens)
+            for seq, tokens in zip(seqs, new_tokens)
+            if speculates(seq, seq.num_output_tokens + len(tokens)) and self.gate.allow(seq.seq_id)
+        ]
+        if not chosen:
+            return {}
+        if self.draft is not None:
+            return self.draft.propose(
+                [s for s, _ in chosen], [t for _, t in chosen], self.generator_for
+            )
+        assert self.ngram is not None
         drafts: dict[int, list[int]] = {}
-        for seq, tokens in zip(seqs, new_tokens):
-            if not speculates(seq, seq.num_output_tokens + len(tokens)):
-                continue
-            if not self.gate.allow(seq.seq_id):
-                continue
-            proposal = self.proposer.propose(seq.token_ids + tokens)
+        for seq, tokens in chosen:
+            proposal = self.ngram.propose(seq.token_ids + tokens)
             if proposal:
                 drafts[seq.seq_id] = proposal
         return drafts
 
     def release(self, seq_id: int) -> None:
         self.gate.release(seq_id)
+        if self.draft is not None:
+            self.draft.release(seq_id)
