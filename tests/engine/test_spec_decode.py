@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ARCH_CONFIGS
+from helpers.models import ARCH_CONFIGS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.scheduler import Scheduler
