@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
@@ -103,6 +104,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # the one copy: the scheduler stops sequences here, the engine checks
     enable_chunked_prefill: bool
+    num_lookahead_slots: int = 0  # KV slots past a step's tokens (a draft model's decodes)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     partition: PartitionConfig | None = None  # None: the whole model in this process
+    speculative: SpeculativeConfig | None = None  # None: one token per step and sequence
 
 
 def default_model_path() -> str:
@@ -190,6 +193,7 @@ class EngineArgs:
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
     quant_activation: bool = True
+    speculative_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -216,6 +220,8 @@ class EngineArgs:
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = envs.PAGEDLLM_CPU_KVCACHE_SPACE_BYTES()
+        speculative = self._speculative_config(hf_config)
+        lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -236,6 +242,7 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                num_lookahead_slots=lookahead,
             ),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,
@@ -251,7 +258,27 @@ class EngineArgs:
                 self.attention_backend or envs.PAGEDLLM_ATTENTION_BACKEND(),
             ),
             partition=self._partition_config(),
+            speculative=speculative,
         )
+
+    def _speculative_config(self, hf_config: Any) -> SpeculativeConfig | None:
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is None:
+            return None
+        if self.partition is not None:
+            raise ValueError("speculative_config is not supported with an edge/cloud partition.")
+        if spec.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative_config.model (a draft model) needs tensor_parallel_size 1."
+                )
+            draft_vocab = load_hf_config(spec.model).vocab_size
+            if draft_vocab != hf_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model has a vocabulary of {draft_vocab} tokens, the "
+                    f"target model {hf_config.vocab_size}: they must share one tokenizer."
+                )
+        return spec
 
     def _partition_config(self) -> PartitionConfig | None:
         if self.partition is None:

@@ -22,11 +22,11 @@ def test_finished_and_aborted_ids_ride_on_the_next_non_empty_step():
     sched.add(b)
     out = sched.schedule()
     assert out.finished_seq_ids == []
-    sched.update(out, {0: 7, 1: 7})  # a reaches max_tokens=1 and finishes
+    sched.update(out, {0: [7], 1: [7]})  # a reaches max_tokens=1 and finishes
     assert a.is_finished
     out = sched.schedule()
     assert out.finished_seq_ids == [0] and [s.seq.seq_id for s in out.scheduled] == [1]
-    sched.update(out, {1: 8})
+    sched.update(out, {1: [8]})
     sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     empty = sched.schedule()  # nothing to run: the id waits for a step that runs
     assert empty.is_empty and empty.finished_seq_ids == []

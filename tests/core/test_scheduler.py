@@ -35,7 +35,7 @@ def drive(sched: Scheduler, max_steps: int = 10_000) -> list[int]:
         assert len(ids) == len(set(ids)), "sequence scheduled twice in a step"
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
         assert len(out.scheduled) <= sched.config.max_num_seqs
-        sampled = {s.seq.seq_id: 7 for s in out.scheduled if s.samples}
+        sampled = {s.seq.seq_id: [7] for s in out.scheduled if s.samples}
         sched.update(out, sampled)
         sched.check_integrity()
         per_step.append(out.num_batched_tokens)
@@ -73,7 +73,7 @@ def test_decode_runs_before_new_prefills():
     sched = make_scheduler(max_tokens=16)
     a = make_seq(0, range(1, 8 + 1), max_tokens=5, ignore_eos=True)
     sched.add(a)
-    sched.update(sched.schedule(), {0: 7})
+    sched.update(sched.schedule(), {0: [7]})
     sched.add(make_seq(1, range(1, 30 + 1), max_tokens=2, ignore_eos=True))
     out = sched.schedule()
     assert out.scheduled[0].seq is a and out.scheduled[0].num_new_tokens == 1
@@ -119,7 +119,7 @@ def test_abort_frees_blocks_in_any_state():
     for s in (running, chunking, waiting):
         sched.add(s)
     out = sched.schedule()
-    sched.update(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
+    sched.update(out, {s.seq.seq_id: [7] for s in out.scheduled if s.samples})
     for s in (running, chunking, waiting):
         sched.finish(s, SequenceStatus.FINISHED_ABORTED)
     sched.check_integrity()

@@ -38,10 +38,10 @@ def install(step_delay: float) -> None:
         time.sleep(step_delay)
         return execute_model(self, out)
 
-    def faulty_update(self: Scheduler, out: SchedulerOutput, sampled: dict[int, int]) -> Any:
+    def faulty_update(self: Scheduler, out: SchedulerOutput, *args: Any) -> Any:
         if poisoned(out):
             corrupt_and_raise(self, out)
-        return update(self, out, sampled)
+        return update(self, out, *args)
 
     UniProcExecutor.execute_model = slow_execute  # type: ignore[method-assign]
     Scheduler.update = faulty_update  # type: ignore[method-assign]

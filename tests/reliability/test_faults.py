@@ -100,10 +100,10 @@ def corrupt_state(server, monkeypatch) -> None:  # noqa: ANN001
     scheduler = server.engine.engine.scheduler
     update = scheduler.update
 
-    def faulty(out: SchedulerOutput, sampled: dict[int, int]):  # noqa: ANN202
+    def faulty(out: SchedulerOutput, *args):  # noqa: ANN002, ANN202
         if poisoned(out):
             corrupt_and_raise(scheduler, out)
-        return update(out, sampled)
+        return update(out, *args)
 
     monkeypatch.setattr(scheduler, "update", faulty)
 

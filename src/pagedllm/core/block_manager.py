@@ -180,6 +180,18 @@ class BlockManager:
                 self.free_queue.append(block)
         seq.block_table = []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past the first num_tokens tokens, tail first: the slots of
+        rejected speculative tokens. Such blocks never held computed tokens only, so they carry
+        no hash and the prefix cache never sees their contents."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.block_hash is None, f"trimmed block {block.block_id} is cached"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
         if self.num_free_blocks != self.num_blocks:

@@ -6,6 +6,11 @@ decode), then admits waiting sequences FCFS, all within ``max_num_seqs`` sequenc
 When a running sequence cannot get a block, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later, with
 the tokens it has generated so far. No sequence is ever dropped or scheduled twice.
+
+Speculative decoding: a decoding sequence that carries draft tokens (``spec_token_ids``) is
+scheduled for 1 + k tokens, its own last token and the drafts, within the same budget and
+block allocation. After the step only the accepted drafts keep their KV: ``num_computed_tokens``
+moves back to them and the blocks past them are freed (see ``update``).
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ if TYPE_CHECKING:  # the config module may import torch (device detection); core
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on (drafts too)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified after the tokens
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        num_real = self.num_new_tokens - len(self.spec_token_ids)
+        return self.seq.num_computed_tokens + num_real == self.seq.num_tokens
 
 
 @dataclass
@@ -91,6 +98,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = status
+        seq.spec_token_ids = []
         self.block_manager.free(seq)
         self._finished_ids.append(seq.seq_id)
 
@@ -116,12 +124,31 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(seq, num_new, out):
+            drafts = self._drafts_for(seq, num_new, budget)
+            samples = seq.num_computed_tokens + num_new == seq.num_tokens
+            extra = len(drafts) + (self.config.num_lookahead_slots if samples else 0)
+            # Drafts and lookahead slots only get blocks that are free: no sequence is
+            # preempted for a guess.
+            if extra and not self.block_manager.allocate(seq, num_new + extra):
+                drafts = []
+            if not drafts and not self._allocate_or_preempt(seq, num_new, out):
                 break  # seq itself was preempted, and with it everything after it
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            out.scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
+            budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    def _drafts_for(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """The drafts seq verifies this step: only when the step reaches its end, and no more
+        than the budget, max_model_len and max_tokens leave room for (accepted drafts and one
+        more token are emitted)."""
+        if not seq.spec_token_ids or seq.num_computed_tokens + num_new != seq.num_tokens:
+            return []
+        room = min(budget - num_new, self.config.max_model_len - seq.num_tokens - 1)
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return seq.spec_token_ids[: max(room, 0)]
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for seq, preempting the newest running sequences until it fits."""
@@ -180,29 +207,45 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # ---- after the model ran -------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance the scheduled sequences; append sampled tokens (seq_id -> token id).
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[int, list[int]],
+        spec_token_ids: dict[int, list[int]] | None = None,
+    ) -> list[Sequence]:
+        """Advance the scheduled sequences and append their new tokens (seq_id -> the step's
+        tokens: one, or the accepted drafts and one more); store the drafts proposed for the
+        next step (seq_id -> draft tokens).
 
-        Returns the sequences that got a new token; those that hit a token-level stop
+        Returns the sequences that got new tokens; those that hit a token-level stop
         condition are finished and their blocks released.
         """
+        bm = self.block_manager
+        proposals = spec_token_ids or {}
         updated: list[Sequence] = []
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue  # a chunk of a prompt: nothing sampled yet
-            seq.append_token(token)
+            tokens = sampled.get(seq.seq_id)
+            if tokens is None:  # a chunk of a prompt: nothing sampled yet
+                seq.num_computed_tokens += item.num_new_tokens
+                bm.cache_full_blocks(seq)
+                continue
+            status = seq.append_tokens(tokens, self.config.max_model_len)
+            # Every token but the newest now has its KV: the accepted drafts were computed at
+            # the positions they hold. Rejected drafts' slots are rolled back (recomputed over
+            # later), and blocks that only they reached are freed, never cached.
+            seq.num_computed_tokens = seq.num_tokens - 1
+            bm.trim(seq, seq.num_tokens)
+            bm.cache_full_blocks(seq)
+            seq.spec_token_ids = proposals.get(seq.seq_id, [])
             updated.append(seq)
-            status = seq.check_stop(self.config.max_model_len)
             if status is not None:
                 self.finish(seq, status)
         return updated

@@ -71,6 +71,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     timings: SequenceTimings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,22 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def append_tokens(self, token_ids: list[int], max_model_len: int) -> SequenceStatus | None:
+        """Append a step's tokens one by one, stopping at the first that ends the sequence
+        (a speculative step may emit several; those after a stop are dropped)."""
+        for token_id in token_ids:
+            self.append_token(token_id)
+            status = self.check_stop(max_model_len)
+            if status is not None:
+                return status
+        return None
+
+    def truncate_output(self, num_tokens: int) -> None:
+        """Drop the last num_tokens output tokens (those after a stop string)."""
+        if num_tokens > 0:
+            del self.output_token_ids[-num_tokens:]
+            del self.token_ids[-num_tokens:]
 
     def check_stop(self, max_model_len: int) -> SequenceStatus | None:
         """Token-level stop conditions after a new token (stop strings are the engine's)."""

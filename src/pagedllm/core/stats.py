@@ -28,6 +28,34 @@ class FinishedRequestStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding in one step (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # sequences that verified drafts
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [j]: at draft j
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    def merge(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for j, count in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[j] += count
+
+
+@dataclass
 class IterationStats:
     timestamp: float
     num_prompt_tokens: int = 0  # prompt tokens of requests whose first token came this step
@@ -36,6 +64,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
 class StatLogger(Protocol):

@@ -18,9 +18,10 @@ from pagedllm.core.stats import (
     FinishedRequestStats,
     IterationStats,
     SchedulerStats,
+    SpecDecodingStats,
     StatLogger,
 )
-from pagedllm.engine.request_state import RequestState
+from pagedllm.engine.request_state import RequestState, SequenceOutputState
 from pagedllm.engine.tokenizer import (
     encode_text,
     load_tokenizer,
@@ -235,10 +236,12 @@ class LLMEngine:
             logger.exception("model step failed; failing the requests in it")
             failed = {item.seq.request_id for item in sched_out.scheduled}
             return self._fail_requests(failed, f"model step failed: {e}", iteration)
-        updated = self.scheduler.update(sched_out, model_out.sampled)
+        num_before = {item.seq.seq_id: item.seq.num_output_tokens for item in sched_out.scheduled}
+        updated = self.scheduler.update(sched_out, model_out.sampled, model_out.spec_token_ids)
         for seq in self.structured.advance(updated):  # the grammar ended (or was violated)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        outputs = self._process(sched_out, model_out, updated, iteration)
+        iteration.spec_decoding = self._spec_decoding_stats(sched_out, model_out)
+        outputs = self._process(sched_out, model_out, updated, num_before, iteration)
         self._record(iteration)
         return outputs
 
@@ -247,6 +250,7 @@ class LLMEngine:
         sched_out: SchedulerOutput,
         model_out: ModelOutput,
         updated: list[Sequence],
+        num_before: dict[int, int],
         iteration: IterationStats,
     ) -> list[RequestOutput]:
         now = time.time()
@@ -255,7 +259,8 @@ class LLMEngine:
             self._add_prompt_logprobs(item.seq, item.num_new_tokens, model_out)
         for seq in updated:
             state = self.requests[seq.request_id]
-            self._on_token(state, seq, model_out, now, iteration)
+            new_tokens = seq.output_token_ids[num_before[seq.seq_id] :]
+            self._on_tokens(state, seq, new_tokens, model_out, now, iteration)
             touched[seq.request_id] = state
         results = []
         for state in touched.values():
@@ -275,17 +280,21 @@ class LLMEngine:
         elif len(state.prompt_logprobs) == start + 1:
             state.prompt_logprobs.extend(chunk)
 
-    def _on_token(
+    def _on_tokens(
         self,
         state: RequestState,
         seq: Sequence,
+        new_tokens: list[int],
         model_out: ModelOutput,
         now: float,
         iteration: IterationStats,
     ) -> None:
+        """Account for the step's new tokens of seq (several after accepted drafts)."""
         out_state = state.seqs[seq.index]
+        if out_state.detokenizer is not None:
+            new_tokens = self._detokenize(out_state, seq, new_tokens)
         t = seq.timings
-        iteration.num_generation_tokens += 1
+        iteration.num_generation_tokens += len(new_tokens)
         if t.first_token is None:
             t.first_token = now
             if state.metrics.first_token_time is None:
@@ -294,26 +303,59 @@ class LLMEngine:
                 # Every prompt token, cached or computed, once per request (vLLM's meaning).
                 iteration.num_prompt_tokens += len(state.prompt_token_ids)
         elif t.last_token is not None:
-            iteration.inter_token_latencies.append(now - t.last_token)
+            # tokens that arrive together share the step's latency
+            gap = (now - t.last_token) / len(new_tokens)
+            iteration.inter_token_latencies.extend([gap] * len(new_tokens))
         t.last_token = now
         state.metrics.last_token_time = now
-        token = seq.output_token_ids[-1]
         lp = model_out.logprobs.get(seq.seq_id)
         if out_state.logprobs is not None and lp is not None:
+            token = new_tokens[-1]  # requests with logprobs never speculate: one token
             out_state.logprobs.append(lp)
             out_state.cumulative_logprob = (out_state.cumulative_logprob or 0.0) + lp[token].logprob
-        if out_state.detokenizer is not None:
-            # A stop token (EOS or stop_token_ids) ends the text without appearing in it.
-            stop_token = seq.status == SequenceStatus.FINISHED_STOPPED
-            hide = stop_token and not seq.sampling_params.include_stop_str_in_output
-            delta = "" if hide else out_state.detokenizer.add(token)
-            if seq.is_finished:
-                delta += out_state.detokenizer.flush()
-            out_state.text += delta
-            if not seq.is_finished and out_state.check_stop_strings(delta):
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.is_finished:
             t.finished = now
+
+    def _detokenize(
+        self, out_state: SequenceOutputState, seq: Sequence, tokens: list[int]
+    ) -> list[int]:
+        """Add tokens to the text one by one; a stop string ends the sequence there and drops
+        the tokens after it (accepted drafts). Returns the tokens kept."""
+        detok = out_state.detokenizer
+        assert detok is not None
+        for i, token in enumerate(tokens):
+            # a token-level stop (EOS, stop ids, length) can only be the last token
+            stopped_here = i == len(tokens) - 1 and seq.is_finished
+            # A stop token (EOS or stop_token_ids) ends the text without appearing in it.
+            hide = (
+                stopped_here
+                and seq.status == SequenceStatus.FINISHED_STOPPED
+                and not seq.sampling_params.include_stop_str_in_output
+            )
+            delta = "" if hide else detok.add(token)
+            if stopped_here:
+                delta += detok.flush()
+            out_state.text += delta
+            if not stopped_here and out_state.check_stop_strings(delta):
+                seq.truncate_output(len(tokens) - 1 - i)
+                if seq.is_finished:  # its last token also hit a token-level stop
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                return tokens[: i + 1]
+        return tokens
+
+    def _spec_decoding_stats(
+        self, sched_out: SchedulerOutput, model_out: ModelOutput
+    ) -> SpecDecodingStats | None:
+        if self.config.speculative is None:
+            return None
+        stats = SpecDecodingStats()
+        for item in sched_out.scheduled:
+            tokens = model_out.sampled.get(item.seq.seq_id)
+            if item.spec_token_ids and tokens:
+                stats.observe(len(item.spec_token_ids), len(tokens) - 1)
+        return stats
 
     def _fail_running(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
         """The executor lost the KV state of every running sequence: end their requests with

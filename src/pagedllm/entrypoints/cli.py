@@ -60,6 +60,8 @@ _ENGINE_FLAG_HELP = {
     "quant_observer": "int8 activation scales: minmax (per token) | moving_average",
     "quant_activation": "int8: quantize activations too (int8 x int8 matmuls); "
     "--no-quant-activation: weight-only",
+    "speculative_config": "speculative decoding as JSON, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
 }
 
 

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from pagedllm.core.stats import IterationStats, SchedulerStats
+from pagedllm.core.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("pagedllm.stats")
 
@@ -33,16 +33,20 @@ class LoggingStatLogger:
         self._finished = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._spec = SpecDecodingStats()  # over the window
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self._prompt_tokens += iteration_stats.num_prompt_tokens
         self._generation_tokens += iteration_stats.num_generation_tokens
         self._finished += len(iteration_stats.finished_requests)
+        if iteration_stats.spec_decoding is not None:
+            self._spec.merge(iteration_stats.spec_decoding)
         now = self._clock()
         if now - self._window_start >= self.interval:
             self._log(self.format_line(scheduler_stats, now - self._window_start))
             self._window_start = now
             self._prompt_tokens = self._generation_tokens = self._finished = 0
+            self._spec = SpecDecodingStats()
             self._last_queries = scheduler_stats.prefix_cache_queries
             self._last_hits = scheduler_stats.prefix_cache_hits
 
@@ -59,4 +63,17 @@ class LoggingStatLogger:
             f"running {s.num_running}, waiting {s.num_waiting}, "
             f"KV cache {100.0 * s.kv_cache_usage:.1f}%, "
             f"prefix cache hit rate {hit_rate}"
+        ) + self._spec_part()
+
+    def _spec_part(self) -> str:
+        """Acceptance over the window's verified drafts; mean acceptance length counts the
+        token every verify step emits besides its accepted drafts (vLLM's definition)."""
+        spec = self._spec
+        if not spec.num_drafts:
+            return ""
+        rate = 100.0 * spec.num_accepted_tokens / max(spec.num_draft_tokens, 1)
+        mean_len = 1.0 + spec.num_accepted_tokens / spec.num_drafts
+        return (
+            f", spec decode acceptance rate {rate:.1f}%, "
+            f"mean acceptance length {mean_len:.2f} ({spec.num_drafts} drafts)"
         )

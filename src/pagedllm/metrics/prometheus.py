@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedllm.core.stats import IterationStats, SchedulerStats
+from pagedllm.core.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 PREFIX = "pagedllm:"
 
@@ -112,6 +112,21 @@ class PrometheusStatLogger:
         )
         for reason in ("stop", "length", "abort"):  # exported as 0 before any request ends
             self.request_success.labels(model_name=self.model_name, finished_reason=reason)
+        self.spec_drafts = c(
+            Counter, "spec_decode_num_drafts", "Speculative proposals verified (per sequence)."
+        )
+        self.spec_draft_tokens = c(
+            Counter, "spec_decode_num_draft_tokens", "Speculative draft tokens verified."
+        )
+        self.spec_accepted_tokens = c(
+            Counter, "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
+        )
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, by position in the proposal.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
 
     def _build_histograms(self, max_model_len: int) -> None:
         h = self._labels
@@ -167,6 +182,8 @@ class PrometheusStatLogger:
         self.generation_tokens.inc(it.num_generation_tokens)
         if it.num_batched_tokens:
             self.iteration_tokens.observe(it.num_batched_tokens)
+        if it.spec_decoding is not None:
+            self._record_spec_decoding(it.spec_decoding)
         for ttft in it.time_to_first_tokens:
             self.ttft.observe(ttft)
         for itl in it.inter_token_latencies:
@@ -181,6 +198,15 @@ class PrometheusStatLogger:
             self.request_latency["decode"].observe(req.decode_time)
             self.request_prompt_tokens.observe(req.num_prompt_tokens)
             self.request_generation_tokens.observe(req.num_generation_tokens)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(
+                count
+            )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector in the registry."""

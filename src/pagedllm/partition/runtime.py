@@ -82,7 +82,7 @@ def _lp_from_wire(rows: list[list[float]] | None) -> TokenLogprobs | None:
 
 def output_to_wire(out: ModelOutput) -> dict[str, Any]:
     return {
-        "sampled": [[sid, tok] for sid, tok in out.sampled.items()],
+        "sampled": [[sid, toks] for sid, toks in out.sampled.items()],
         "logprobs": [[sid, _lp_to_wire(lp)] for sid, lp in out.logprobs.items()],
         "prompt_logprobs": [
             [sid, [_lp_to_wire(lp) for lp in lps]] for sid, lps in out.prompt_logprobs.items()
@@ -92,7 +92,7 @@ def output_to_wire(out: ModelOutput) -> dict[str, Any]:
 
 def output_from_wire(meta: dict[str, Any]) -> ModelOutput:
     return ModelOutput(
-        sampled={int(sid): int(tok) for sid, tok in meta["sampled"]},
+        sampled={int(sid): [int(t) for t in toks] for sid, toks in meta["sampled"]},
         logprobs={int(sid): _lp_from_wire(lp) for sid, lp in meta["logprobs"]},
         prompt_logprobs={
             int(sid): [_lp_from_wire(lp) for lp in lps] for sid, lps in meta["prompt_logprobs"]

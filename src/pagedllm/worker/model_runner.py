@@ -7,7 +7,7 @@ import math
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.models.loader import DTYPES, load_model
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
+from pagedllm.worker.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,17 @@ class ModelInput:
     sample_rows: list[int]  # their rows in logits_indices
     prompt_logprob_rows: list[tuple[Sequence, int, int]]  # (seq, first logits row, count)
     grammar: GrammarMask | None = None  # token mask of the constrained sampled rows
+    verify_seqs: list[Sequence] = field(default_factory=list)  # sequences verifying drafts
+    verify_drafts: list[list[int]] = field(default_factory=list)  # their drafts
+    verify_rows: list[int] = field(default_factory=list)  # len(drafts) + 1 logits rows each
 
 
 @dataclass
 class ModelOutput:
-    sampled: dict[int, int]  # seq_id -> new token id
+    sampled: dict[int, list[int]]  # seq_id -> new tokens (with drafts: accepted ones + 1)
     logprobs: dict[int, TokenLogprobs]  # seq_id -> logprobs of the new token
     prompt_logprobs: dict[int, list[TokenLogprobs | None]]  # seq_id -> this chunk's positions
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # next step's drafts
 
 
 class ModelRunner:
@@ -63,6 +69,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         device_config: DeviceConfig,
         comm: Communicator = SINGLE,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -77,13 +84,20 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.backend = get_attention_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device)
+        self.speculator: Speculator | None = None
+        if speculative_config is not None:
+            self.speculator = Speculator(
+                speculative_config, model_config, self.device, self.sampler.generator_for
+            )
         self.kv_spec: KVCacheSpec | None = None  # the allocated cache's layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_buffer: mmap.mmap | None = None  # backs the CPU cache (see _zeroed)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
-        return cls(config.model, config.cache, config.scheduler, config.device, comm)
+        return cls(
+            config.model, config.cache, config.scheduler, config.device, comm, config.speculative
+        )
 
     @property
     def block_size(self) -> int:
@@ -99,7 +113,11 @@ class ModelRunner:
         layers = self.model.attention_layers()
         attn = layers[0]
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        per_token = len(layers) * attn.num_kv_heads * attn.head_dim
+        if self.speculator is not None and self.speculator.draft is not None:
+            draft_layers, heads, dim = self.speculator.draft.kv_cache_shape()
+            per_token += draft_layers * heads * dim  # the draft's cache shares the block ids
+        return 2 * self.block_size * per_token * elem
 
     def kv_cache_budget(self) -> int:
         """Bytes the KV cache may take: explicit, else from device memory or the CPU default."""
@@ -151,12 +169,22 @@ class ModelRunner:
         self.kv_caches = [(views[i, 0], views[i, 1]) for i in range(len(attn))]
         for layer, (k, v) in zip(attn, self.kv_caches):
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
+        if self.speculator is not None and self.speculator.draft is not None:
+            self._allocate_draft_kv_cache(num_blocks)
         self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
 
     def ensure_kv_cache(self, num_blocks: int) -> None:
         """Allocate a cache of num_blocks unless the one allocated already has that many."""
         if self.num_blocks != num_blocks:
             self.allocate_kv_cache(num_blocks)
+
+    def _allocate_draft_kv_cache(self, num_blocks: int) -> None:
+        assert self.speculator is not None and self.speculator.draft is not None
+        layers, heads, dim = self.speculator.draft.kv_cache_shape()
+        shape = (num_blocks, self.block_size, heads, dim)
+        views = self._zeroed(2 * layers * math.prod(shape)).view(layers, 2, *shape)
+        caches = [(views[i, 0], views[i, 1]) for i in range(layers)]
+        self.speculator.draft.bind_kv_cache(caches, self.backend, self.block_size)
 
     def _zeroed(self, numel: int) -> torch.Tensor:
         """A zero tensor; on the CPU backed by anonymous memory that the OS zeroes on first
@@ -174,10 +202,12 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         query_lens, seq_lens, logits_idx, sample_seqs, sample_rows, plp = [], [], [], [], [], []
+        verify_seqs, verify_drafts, verify_rows = [], [], []
         for item in out.scheduled:
-            seq, n = item.seq, item.num_new_tokens
+            seq, n, drafts = item.seq, item.num_new_tokens, item.spec_token_ids
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_ids[start : start + n - len(drafts)])
+            ids.extend(drafts)
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             positions.append(pos)
@@ -187,7 +217,12 @@ class ModelRunner:
                 count = min(n, seq.num_prompt_tokens - start)
                 plp.append((seq, len(logits_idx), count))
                 logits_idx.extend(range(first, first + count))
-            if item.samples:
+            if item.samples and drafts:  # logits after the last token and after each draft
+                verify_seqs.append(seq)
+                verify_drafts.append(drafts)
+                verify_rows.extend(range(len(logits_idx), len(logits_idx) + len(drafts) + 1))
+                logits_idx.extend(range(first + n - len(drafts) - 1, first + n))
+            elif item.samples:
                 sample_rows.append(len(logits_idx))
                 logits_idx.append(first + n - 1)
                 sample_seqs.append(seq)
@@ -217,13 +252,19 @@ class ModelRunner:
             sample_rows=sample_rows,
             prompt_logprob_rows=plp,
             grammar=out.grammar,
+            verify_seqs=verify_seqs,
+            verify_drafts=verify_drafts,
+            verify_rows=verify_rows,
         )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.release(out.finished_seq_ids)
         inp = self.prepare_input(out)
-        return self.compute_output(inp, self.forward(inp))
+        hidden = self.forward(inp)
+        if self.speculator is not None:
+            self.speculator.catch_up(inp)
+        return self.compute_output(inp, hidden)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,20 +277,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_output(self, inp: ModelInput, hidden: torch.Tensor) -> ModelOutput:
-        """Logits where needed, prompt logprobs and the sampled tokens."""
+        """Logits where needed, prompt logprobs, the sampled tokens and the next drafts."""
         if inp.logits_indices.numel() == 0:
             return ModelOutput({}, {}, {})
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
-        prompt_logprobs = self._prompt_logprobs(inp, logits)
-        if len(inp.sample_rows) < logits.shape[0]:
-            logits = logits[inp.sample_rows]
-        sampler_out = self.sampler(logits, inp.sample_seqs, inp.grammar)
-        ids = [s.seq_id for s in inp.sample_seqs]
-        return ModelOutput(
-            sampled=dict(zip(ids, sampler_out.token_ids)),
-            logprobs={i: lp for i, lp in zip(ids, sampler_out.logprobs) if lp is not None},
-            prompt_logprobs=prompt_logprobs,
-        )
+        out = ModelOutput({}, {}, self._prompt_logprobs(inp, logits))
+        if inp.sample_seqs:
+            rows = logits
+            if len(inp.sample_rows) < logits.shape[0]:
+                rows = logits[torch.tensor(inp.sample_rows, device=logits.device)]
+            sampler_out = self.sampler(rows, inp.sample_seqs, inp.grammar)
+            for seq, token, lp in zip(inp.sample_seqs, sampler_out.token_ids, sampler_out.logprobs):
+                out.sampled[seq.seq_id] = [token]
+                if lp is not None:
+                    out.logprobs[seq.seq_id] = lp
+        if self.speculator is not None:
+            self._speculate(inp, logits, out)
+        return out
+
+    def _speculate(self, inp: ModelInput, logits: torch.Tensor, out: ModelOutput) -> None:
+        """Verify this step's drafts, then propose the next step's."""
+        assert self.speculator is not None
+        if inp.verify_seqs:
+            rows = logits[torch.tensor(inp.verify_rows, device=logits.device)]
+            verified = self.speculator.verify(rows, inp.verify_seqs, inp.verify_drafts)
+            for seq, tokens in zip(inp.verify_seqs, verified.token_ids):
+                out.sampled[seq.seq_id] = tokens
+        seqs = inp.sample_seqs + inp.verify_seqs
+        out.spec_token_ids = self.speculator.propose(seqs, [out.sampled[s.seq_id] for s in seqs])
 
     def _prompt_logprobs(
         self, inp: ModelInput, logits: torch.Tensor
@@ -274,3 +329,5 @@ class ModelRunner:
         """Forget the per-sequence sampler state of finished sequences."""
         for seq_id in seq_ids:
             self.sampler.release(seq_id)
+            if self.speculator is not None:
+                self.speculator.release(seq_id)

@@ -106,7 +106,7 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def generator_for(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
@@ -134,7 +134,7 @@ class Sampler:
             noise = torch.empty_like(probs).exponential_()
             for row, seq in enumerate(seqs):
                 if seq.sampling_params.seed is not None and params[row].temperature > 0:
-                    noise[row].exponential_(generator=self._generator(seq))
+                    noise[row].exponential_(generator=self.generator_for(seq))
             sampled = (probs / noise).argmax(dim=-1)  # Gumbel-style race, no host sync
             is_greedy = torch.tensor([p.temperature == 0.0 for p in params], device=self.device)
             tokens = torch.where(is_greedy, greedy, sampled)
