@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import QuantConfig
+from pagedllm.layers import cpu_int8
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import LinearBase
 
@@ -146,7 +147,11 @@ class OneDNNKernel(Int8Kernel):
 
     Without VNNI, x86 multiplies u8 x s8 pairs into saturating int16 (vpmaddubsw): two products
     of 255 x 127 overflow it. Activations then keep 7 bits (|q| <= 63, so u8 <= 127), as
-    fbgemm's reduce_range does, and the int32 result is exact."""
+    fbgemm's reduce_range does, and the int32 result is exact.
+
+    Decode-sized inputs (at most ``cpu_int8.MAX_ROWS`` fp32 rows, per-token observer) take the
+    C++ few-row kernel instead: one call per layer, the same integers and scales, so the
+    tokens do not change with the batch size (benchmarks/gemm_int8.py: 3x at one row)."""
 
     name = "onednn"
 
@@ -155,9 +160,22 @@ class OneDNNKernel(Int8Kernel):
         self.levels = QMAX if _cpu_has_vnni() else 63
         self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)  # [K, N] blocked
         self.zero_points = torch.zeros(self.scale.shape[0], dtype=torch.long)
+        self.few_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (
+            isinstance(observer, MinMaxObserver)
+            and cpu_int8.load()
+            and (self.levels <= 63 or cpu_int8.has_vnni())
+        ):
+            self.few_rows = cpu_int8.pack(self.qweight)
         del self.qweight
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.few_rows is not None
+            and x.shape[0] <= cpu_int8.MAX_ROWS
+            and x.dtype == torch.float32
+        ):
+            return cpu_int8.linear(x, *self.few_rows, self.scale, self.levels)
         xq, step = self.quantize_input(x)
         zero = self.levels + 1  # uint8 with this zero point holds [-levels, levels] exactly
         xu = xq.add_(zero).to(torch.uint8)
@@ -354,6 +372,10 @@ class DynamicQuantConfig(QuantConfig):
                 if isinstance(kernel, OneDNNKernel):  # the packed copy replaces the int8 one
                     del module.weight
                     module.register_buffer("weight_packed", kernel.packed, persistent=False)
+                    if kernel.few_rows is not None:  # counted by weight_bytes too
+                        module.register_buffer(
+                            "few_rows_packed", kernel.few_rows[0], persistent=False
+                        )
             # Instance attributes shadow the class's methods: forward() and RowParallelLinear's
             # reduction keep running, around the int8 product.
             if isinstance(module, LinearBase):
@@ -366,7 +388,8 @@ class DynamicQuantConfig(QuantConfig):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take: parameters (shared ones once) and packed int8 weights."""
+    """Bytes the model's weights take: parameters (shared ones once) and packed int8 weights
+    (both packings where the few-row kernel keeps its own)."""
     tensors = list(model.parameters())
-    tensors += [b for name, b in model.named_buffers() if name.endswith("weight_packed")]
+    tensors += [b for name, b in model.named_buffers() if name.endswith("_packed")]
     return sum(t.numel() * t.element_size() for t in tensors)
