@@ -107,7 +107,7 @@ def gemm_peaks(rows: list[int], seconds: float) -> dict[str, dict[int, float]]:
                 seconds, torch.ops.onednn.qlinear_pointwise,
                 xu, 1.0, 64, packed, scale, zp, None, 1.0, 0, torch.float32, "none", [], "",
             )  # fmt: skip
-            if have_cpp and m <= cpu_int8.MAX_ROWS:
+            if have_cpp:
                 cpacked, rowsum = cpu_int8.pack(q)
                 cpp = _per_call(seconds, cpu_int8.linear, x, cpacked, rowsum, scale, 63)
                 best = min(best, cpp)

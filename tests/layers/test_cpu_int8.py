@@ -51,6 +51,32 @@ def test_matches_reference_on_every_isa(levels: int, m: int, n: int, k: int) -> 
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=name)
 
 
+def test_pack_unpack_round_trip() -> None:
+    q = torch.randint(-127, 128, (37, 50), dtype=torch.int8)
+    packed, _ = cpu_int8.pack(q)
+    assert torch.equal(cpu_int8.unpack(packed, tuple(q.shape)), q)
+
+
+def test_default_cpu_kernel_is_the_cpp_one_and_equals_onednn() -> None:
+    """The default CPU kernel (per-token observer) is this one, with oneDNN's integers."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization import DynamicQuantConfig
+
+    torch.manual_seed(1)
+    layers = []
+    for kernel in (None, "onednn"):
+        layer = ReplicatedLinear(96, 40, bias=True)
+        torch.nn.init.normal_(layer.weight)
+        torch.nn.init.normal_(layer.bias)
+        DynamicQuantConfig(kernel=kernel).apply(layer)
+        layers.append(layer)
+    assert layers[0].quant_kernel.name == "cpu_int8"
+    assert layers[0].quant_kernel.levels == layers[1].quant_kernel.levels
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(layers[0](x), layers[1](x), rtol=1e-6, atol=1e-5)
+
+
 def test_without_vnni_wide_activations_are_refused() -> None:
     q, scale = quantize_weight(torch.randn(16, 8))
     packed, rowsum = cpu_int8.pack(q)

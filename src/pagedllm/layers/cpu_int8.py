@@ -1,12 +1,11 @@
-"""The C++ int8 GEMM for few rows (csrc/int8_gemm.cpp): decode-sized int8 linear layers.
+"""The C++ int8 GEMM (csrc/int8_gemm.cpp): a whole int8 linear layer in one call.
 
 At decode a linear layer sees a handful of rows; there the oneDNN path's per-call torch ops
 (observer, rounding, zero point, rescale) cost more than the product itself. This kernel does
 the whole layer in one call with the same arithmetic (per-token int8 activations, exact int32
-sums), so its results equal the oneDNN kernel's and a request's tokens do not depend on how
-many rows its batch had. Built on first use like the attention kernel; the instruction set
-(AVX-512 VNNI, AVX-VNNI, AVX-512BW, AVX2, portable) is picked at run time, so one build serves
-any x86 CPU.
+sums), so its results equal the oneDNN kernel's. Built on first use like the attention
+kernel; the instruction set (AVX-512 VNNI, AVX-VNNI, AVX-512BW, AVX2, portable) is picked at
+run time, so one build serves any x86 CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
-MAX_ROWS = 16  # above this many rows oneDNN's blocked GEMM is faster (benchmarks/gemm_int8.py)
 
 
 @functools.cache
@@ -61,6 +59,13 @@ def has_vnni() -> bool:
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] -> (packed blocks, int32 row sums) for :func:`linear`."""
     return torch.ops.pagedllm_int8.int8_pack(weight)
+
+
+def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The int8 [N, K] weight back from :func:`pack`'s blocks (saving, tests)."""
+    blocks, groups = packed.shape[:2]
+    full = packed.view(blocks, groups, 16, 4).permute(0, 2, 1, 3).reshape(blocks * 16, groups * 4)
+    return full[: shape[0], : shape[1]].contiguous()
 
 
 def linear(

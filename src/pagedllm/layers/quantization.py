@@ -8,10 +8,13 @@ excludes gets
   ``w ~= weight * weight_scale[:, None]``. Per-tensor scales are stored per row too (all equal),
   so scales shard exactly like the rows under tensor parallelism. Both parameters keep the
   layer's ``weight_loader``: a saved int8 checkpoint loads, sharded, through the usual path.
-* a kernel that replaces the layer's ``matmul`` (linear layers) or ``forward`` (LM head,
-  embedding). With activations enabled, each token's row is scaled by its own absolute maximum
-  (the observer), rounded to int8, multiplied in int8 with int32 accumulation, and rescaled by
-  ``token_scale x weight_scale``. Without, the int8 weight is dequantized inside the matmul.
+* its int8 layer class (``Int8ColumnParallelLinear`` ...), which keeps the float layer's
+  sharding and collectives and replaces only the product: ``matmul`` of a linear layer and
+  ``local_logits`` of the LM head run the layer's int8 kernel, ``lookup`` of the embedding
+  dequantizes the rows it reads. With activations enabled, each token's row is scaled by its
+  own absolute maximum (the observer), rounded to int8, multiplied in int8 with int32
+  accumulation, and rescaled by ``token_scale x weight_scale``. Without, the int8 weight is
+  dequantized inside the matmul.
 
 Quantization works on each rank's local shard after loading, so it composes with tensor
 parallelism: column-parallel layers get exactly their rows' scales; row-parallel layers scale
@@ -34,13 +37,29 @@ from torch import nn
 from pagedllm.config import QuantConfig
 from pagedllm.layers import cpu_int8
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
 logger = logging.getLogger(__name__)
 
 QMAX = 127  # symmetric int8: [-127, 127], so that -x quantizes to -q
 _TINY = torch.finfo(torch.float32).tiny
-QUANTIZABLE = (LinearBase, VocabParallelEmbedding)  # ParallelLMHead is a VocabParallelEmbedding
+
+
+def quantize_symmetric(
+    x: torch.Tensor, absmax: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of x [rows, cols] by each row's range absmax [rows, 1]: the
+    integers (still floating point) in [-levels, levels] and the step [rows, 1] they are
+    multiplied by. An all-zero row gets the smallest step and quantizes to zeros."""
+    step = (absmax / levels).clamp_min(_TINY)
+    return (x / step).round_().clamp_(-levels, levels), step
 
 
 def quantize_weight(
@@ -48,12 +67,11 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of a [rows, cols] weight: (q int8 [rows, cols], scale fp32 [rows])."""
     w = weight.float()
-    absmax = w.abs().amax(dim=1)
+    absmax = w.abs().amax(dim=1, keepdim=True)
     if granularity == "per_tensor":
         absmax = absmax.amax().expand_as(absmax)
-    scale = (absmax / QMAX).clamp_min(_TINY)  # an all-zero row quantizes to zeros
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale.contiguous()
+    q, scale = quantize_symmetric(w, absmax, QMAX)
+    return q.to(torch.int8), scale[:, 0].contiguous()
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -112,8 +130,7 @@ class Int8Kernel:
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token int8 (as float, rounded and clamped) and each token's scale [M, 1]."""
         assert self.observer is not None
-        step = self.observer(x).clamp_min(_TINY) / self.levels
-        return (x / step).round_().clamp_(-self.levels, self.levels), step
+        return quantize_symmetric(x, self.observer(x), self.levels)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -147,11 +164,7 @@ class OneDNNKernel(Int8Kernel):
 
     Without VNNI, x86 multiplies u8 x s8 pairs into saturating int16 (vpmaddubsw): two products
     of 255 x 127 overflow it. Activations then keep 7 bits (|q| <= 63, so u8 <= 127), as
-    fbgemm's reduce_range does, and the int32 result is exact.
-
-    Decode-sized inputs (at most ``cpu_int8.MAX_ROWS`` fp32 rows, per-token observer) take the
-    C++ few-row kernel instead: one call per layer, the same integers and scales, so the
-    tokens do not change with the batch size (benchmarks/gemm_int8.py: 3x at one row)."""
+    fbgemm's reduce_range does, and the int32 result is exact."""
 
     name = "onednn"
 
@@ -160,22 +173,9 @@ class OneDNNKernel(Int8Kernel):
         self.levels = QMAX if _cpu_has_vnni() else 63
         self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)  # [K, N] blocked
         self.zero_points = torch.zeros(self.scale.shape[0], dtype=torch.long)
-        self.few_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        if (
-            isinstance(observer, MinMaxObserver)
-            and cpu_int8.load()
-            and (self.levels <= 63 or cpu_int8.has_vnni())
-        ):
-            self.few_rows = cpu_int8.pack(self.qweight)
         del self.qweight
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.few_rows is not None
-            and x.shape[0] <= cpu_int8.MAX_ROWS
-            and x.dtype == torch.float32
-        ):
-            return cpu_int8.linear(x, *self.few_rows, self.scale, self.levels)
         xq, step = self.quantize_input(x)
         zero = self.levels + 1  # uint8 with this zero point holds [-levels, levels] exactly
         xu = xq.add_(zero).to(torch.uint8)
@@ -187,6 +187,32 @@ class OneDNNKernel(Int8Kernel):
 
     def weight_int8(self) -> torch.Tensor:
         return self.packed.to_dense().t()
+
+
+class CpuInt8Kernel(Int8Kernel):
+    """CPU: pagedllm's C++ int8 GEMM (layers/cpu_int8.py): the observer, rounding, u8 x s8
+    product with exact int32 sums and the rescale in one call per layer. Same integers and
+    scales as OneDNNKernel (and the same 7-bit activations without VNNI); at decode sizes it
+    saves the per-layer torch ops that cost more than the product (3x at one row), at 256
+    rows it is within a few percent of oneDNN (benchmarks/gemm_int8.py). Per-token observer
+    only: the kernel measures each row's range itself."""
+
+    name = "cpu_int8"
+
+    def __init__(self, module: nn.Module, observer: Callable | None) -> None:
+        super().__init__(module, observer)
+        if not isinstance(observer, MinMaxObserver):
+            raise ValueError("the cpu_int8 kernel needs the per-token (minmax) observer.")
+        self.levels = QMAX if _cpu_has_vnni() and cpu_int8.has_vnni() else 63
+        self.packed, self.rowsum = cpu_int8.pack(self.qweight)
+        self.shape = tuple(self.qweight.shape)
+        del self.qweight
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.linear(x.float(), self.packed, self.rowsum, self.scale, self.levels)
+
+    def weight_int8(self) -> torch.Tensor:
+        return cpu_int8.unpack(self.packed, self.shape)
 
 
 class IntMMKernel(Int8Kernel):
@@ -215,48 +241,104 @@ class WeightOnlyKernel(Int8Kernel):
 
 
 KERNELS: dict[str, type[Int8Kernel]] = {
-    k.name: k for k in (OneDNNKernel, IntMMKernel, WeightOnlyKernel)
+    k.name: k for k in (CpuInt8Kernel, OneDNNKernel, IntMMKernel, WeightOnlyKernel)
 }
 
 
-def default_kernel(device: torch.device, enable_activation: bool) -> str:
+def default_kernel(
+    device: torch.device, enable_activation: bool, observer_type: str = "minmax"
+) -> str:
     """The fastest kernel the device has for the requested mode."""
     if not enable_activation:
         return "weight_only"
+    if device.type == "cpu" and observer_type == "minmax" and cpu_int8.load():
+        return "cpu_int8"
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
         return "onednn"
     return "int_mm"
 
 
-def _kernel_for(module: nn.Module, requested: str | None, enable_activation: bool) -> str:
-    name = requested or default_kernel(module.weight.device, enable_activation)
+def _kernel_for(
+    module: nn.Module, requested: str | None, enable_activation: bool, observer_type: str
+) -> str:
+    name = requested or default_kernel(module.weight.device, enable_activation, observer_type)
     rows, cols = module.weight.shape
     if name == "int_mm" and module.weight.is_cuda and (rows % 8 or cols % 8):
         return "weight_only"  # cuBLASLt's int8 GEMM needs K and N multiples of 8
     return name
 
 
-# ---- forwards of the quantized LM head and embedding -----------------------------------------
-def _lm_head_forward(
-    head: ParallelLMHead, kernel: Int8Kernel, hidden: torch.Tensor
-) -> torch.Tensor:
-    logits = kernel(hidden, None)  # [n, local vocab rows]
-    return head.comm.all_gather(logits, dim=-1)[:, : head.vocab_size]
+# ---- int8 layer classes: the float layer's sharding and collectives, an int8 product -------
+class _Int8Matmul:
+    """The one method an int8 linear layer replaces: x W^T + bias through its int8 kernel.
+    Listed first in each int8 class's bases, so the float layer's forward (and the
+    row-parallel reduction) runs around it unchanged."""
+
+    quant_kernel: Int8Kernel
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.quant_kernel(x, bias)
 
 
-def _embedding_rows(emb: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
-    rows = F.embedding(ids, emb.weight).float() * emb.weight_scale[ids, None]
-    return rows.to(emb.dequant_dtype)
+class Int8ReplicatedLinear(_Int8Matmul, ReplicatedLinear):
+    pass
 
 
-def _embedding_forward(emb: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
-    if emb.comm.world_size == 1:
-        return _embedding_rows(emb, input_ids)
-    local = input_ids - emb.start  # this rank holds vocabulary rows [start, start + rows)
-    outside = (local < 0) | (local >= emb.rows)
-    out = _embedding_rows(emb, local.masked_fill(outside, 0))
-    out.masked_fill_(outside[:, None], 0)
-    return emb.comm.all_reduce(out)
+class Int8ColumnParallelLinear(_Int8Matmul, ColumnParallelLinear):
+    pass
+
+
+class Int8MergedColumnParallelLinear(_Int8Matmul, MergedColumnParallelLinear):
+    pass
+
+
+class Int8QKVParallelLinear(_Int8Matmul, QKVParallelLinear):
+    pass
+
+
+class Int8RowParallelLinear(_Int8Matmul, RowParallelLinear):
+    pass
+
+
+class Int8ParallelLMHead(ParallelLMHead):
+    quant_kernel: Int8Kernel
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.quant_kernel(hidden, None)  # [n, local vocab rows]
+
+
+class Int8VocabParallelEmbedding(VocabParallelEmbedding):
+    """Rows are dequantized as they are looked up (an embedding has no matmul)."""
+
+    quant_kernel: None
+    dequant_dtype: torch.dtype  # the dtype the float layer's outputs had
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(local_ids, self.weight).float() * self.weight_scale[local_ids, None]
+        return rows.to(self.dequant_dtype)
+
+
+INT8_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    ReplicatedLinear: Int8ReplicatedLinear,
+    ColumnParallelLinear: Int8ColumnParallelLinear,
+    MergedColumnParallelLinear: Int8MergedColumnParallelLinear,
+    QKVParallelLinear: Int8QKVParallelLinear,
+    RowParallelLinear: Int8RowParallelLinear,
+    ParallelLMHead: Int8ParallelLMHead,
+    VocabParallelEmbedding: Int8VocabParallelEmbedding,
+}
+QUANTIZABLE = tuple(INT8_CLASSES)
+
+
+def _to_int8_class(module: nn.Module, kernel: Int8Kernel | None) -> None:
+    """Turn a float layer whose weight is int8 now into its int8 class, in place (parameters,
+    weight loaders and ties stay as they are)."""
+    module.__class__ = INT8_CLASSES[type(module)]
+    module.quant_kernel = kernel
+    if isinstance(kernel, (OneDNNKernel, CpuInt8Kernel)):
+        # The prepacked copy replaces the plain int8 weight; an empty one keeps the name.
+        module.register_buffer("weight_packed", kernel.packed, persistent=False)
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 # ---- the config and its passes ---------------------------------------------------------------
@@ -302,8 +384,9 @@ def _empty_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class DynamicQuantConfig(QuantConfig):
     """int8 quantization of a model's linear layers, LM head and embedding (module docstring).
 
-    kernel: one of KERNELS, or None for the fastest the device has (oneDNN on CPU, _int_mm on
-    CUDA; weight-only when enable_activation is False).
+    kernel: one of KERNELS, or None for the fastest the device has (on CPU the C++ cpu_int8
+    kernel with the minmax observer, else oneDNN; _int_mm on CUDA; weight-only when
+    enable_activation is False).
     """
 
     kernel: str | None = None
@@ -366,30 +449,14 @@ class DynamicQuantConfig(QuantConfig):
         for module in modules:
             kernel = None
             if isinstance(module, (LinearBase, ParallelLMHead)):
-                name = _kernel_for(module, self.kernel, self.enable_activation)
+                name = _kernel_for(module, self.kernel, self.enable_activation, self.observer_type)
                 observer = OBSERVERS[self.observer_type](module.weight.device)
                 kernel = KERNELS[name](module, observer if self.enable_activation else None)
-                if isinstance(kernel, OneDNNKernel):  # the packed copy replaces the int8 one
-                    del module.weight
-                    module.register_buffer("weight_packed", kernel.packed, persistent=False)
-                    if kernel.few_rows is not None:  # counted by weight_bytes too
-                        module.register_buffer(
-                            "few_rows_packed", kernel.few_rows[0], persistent=False
-                        )
-            # Instance attributes shadow the class's methods: forward() and RowParallelLinear's
-            # reduction keep running, around the int8 product.
-            if isinstance(module, LinearBase):
-                module.matmul = kernel
-            elif kernel is not None:
-                module.forward = functools.partial(_lm_head_forward, module, kernel)
-            else:
-                module.forward = functools.partial(_embedding_forward, module)
-            module.quant_kernel = kernel
+            _to_int8_class(module, kernel)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take: parameters (shared ones once) and packed int8 weights
-    (both packings where the few-row kernel keeps its own)."""
+    """Bytes the model's weights take: parameters (shared ones once) and packed int8 weights."""
     tensors = list(model.parameters())
-    tensors += [b for name, b in model.named_buffers() if name.endswith("_packed")]
+    tensors += [b for name, b in model.named_buffers() if name.endswith("weight_packed")]
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -38,7 +38,7 @@ namespace {
 
 constexpr int kRows = 16;  // output rows per weight block
 constexpr int kGroup = 4;  // K values per 4-byte group
-constexpr int kMaxM = 4;   // rows of x per pass over a weight block (accumulators in registers)
+constexpr int kMaxM = 8;   // rows of x per pass over a weight block (accumulators in registers)
 
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512bw = 2, kAvxVnni = 3, kAvx512Vnni = 4 };
 
@@ -203,7 +203,11 @@ __attribute__((target("avx2,fma"))) void block_avx2(const int8_t* w, const uint8
     case 1: fn<1>(__VA_ARGS__); break;     \
     case 2: fn<2>(__VA_ARGS__); break;     \
     case 3: fn<3>(__VA_ARGS__); break;     \
-    default: fn<4>(__VA_ARGS__); break;    \
+    case 4: fn<4>(__VA_ARGS__); break;     \
+    case 5: fn<5>(__VA_ARGS__); break;     \
+    case 6: fn<6>(__VA_ARGS__); break;     \
+    case 7: fn<7>(__VA_ARGS__); break;     \
+    default: fn<8>(__VA_ARGS__); break;    \
   }
 #endif
 
@@ -254,21 +258,26 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels, uint8_t* xu,
                    float* step) {
   const float tiny = std::numeric_limits<float>::min();
-  const int zero = levels + 1;
-  for (int64_t r = 0; r < m; ++r) {
-    const float* row = x + r * k;
-    float absmax = 0.f;
-    for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
-    const float s = std::max(absmax, tiny) / float(levels);
-    step[r] = s;
-    uint8_t* out = xu + r * kp;
-    for (int64_t c = 0; c < k; ++c) {
-      float q = std::nearbyint(row[c] / s);
-      q = std::min(std::max(q, float(-levels)), float(levels));
-      out[c] = uint8_t(int(q) + zero);
+  const float lv = float(levels), zero = float(levels + 1);
+  // Adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 half to even, like torch.round, in a
+  // loop the compiler vectorizes (std::nearbyint is a library call on baseline x86-64).
+  const float magic = 12582912.0f;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * k;
+      float absmax = 0.f;
+      for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+      const float s = std::max(absmax, tiny) / lv;
+      step[r] = s;
+      uint8_t* out = xu + r * kp;
+      for (int64_t c = 0; c < k; ++c) {
+        const float v = std::min(std::max(row[c] / s, -lv), lv);  // clamp, then round: same
+        out[c] = uint8_t(int32_t((v + magic) - magic + zero));     // as round, then clamp
+      }
+      for (int64_t c = k; c < kp; ++c) out[c] = uint8_t(levels + 1);
     }
-    for (int64_t c = k; c < kp; ++c) out[c] = uint8_t(zero);
-  }
+  });
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& rowsum,
