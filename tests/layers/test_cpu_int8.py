@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.ci import unavailable
 
 from pagedllm.layers import cpu_int8
 from pagedllm.layers.quantization import quantize_weight
 
-pytestmark = pytest.mark.skipif(not cpu_int8.load(), reason="no C++ toolchain")
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if not cpu_int8.load():
+        unavailable("the C++ int8 kernel did not build (no C++ toolchain?)")
 
 
 def reference(x, q, scale, levels, bias=None):  # noqa: ANN001, ANN201
