@@ -57,10 +57,11 @@ fi
 # 3. Convert a Hugging Face folder (config, safetensors, tokenizer) to GGUF.
 if [[ -n "$HF_DIR" ]]; then
   export PYTHONPATH="$LLAMA/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
+  # The converter's own dependencies: gguf from the same tree (on PYTHONPATH), sentencepiece.
   python -c "import sentencepiece" 2>/dev/null || pip install sentencepiece
   name=$(basename "$HF_DIR")
   for t in $TYPES; do
-    python "$LLAMA/convert_hf_to_gguf.py" "$HF_DIR" --outtype "$t" \
+    python "$(dirname "$0")/convert_to_gguf.py" "$LLAMA" -- "$HF_DIR" --outtype "$t" \
       --outfile "$OUT/gguf/$name-$t.gguf"
   done
   ls -la "$OUT/gguf"
