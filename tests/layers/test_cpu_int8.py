@@ -68,11 +68,12 @@ def test_default_cpu_kernel_is_the_cpp_one_and_equals_onednn() -> None:
     from pagedllm.layers.quantization import DynamicQuantConfig
 
     torch.manual_seed(1)
+    weight, bias = torch.randn(40, 96), torch.randn(40)
     layers = []
     for kernel in (None, "onednn"):
         layer = ReplicatedLinear(96, 40, bias=True)
-        torch.nn.init.normal_(layer.weight)
-        torch.nn.init.normal_(layer.bias)
+        layer.weight.data.copy_(weight)
+        layer.bias.data.copy_(bias)
         DynamicQuantConfig(kernel=kernel).apply(layer)
         layers.append(layer)
     assert layers[0].quant_kernel.name == "cpu_int8"
