@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -20,8 +21,44 @@ BENCH_125M = dict(
 )
 
 
+DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "pagedllm-demo"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_bench_tokenizer(folder: Path, vocab_size: int = BENCH_125M["vocab_size"]) -> None:
+    """A byte-level BPE tokenizer of exactly vocab_size tokens for the benchmark model.
+
+    The shipped demo model's tokenizer (4096 tokens, GPT-2 style pre-tokenizer) grown by
+    synthetic merges: each new token is the concatenation of two existing ones, appended as
+    the lowest-priority merge, in a fixed order. Every id then decodes to real bytes, which
+    GGUF conversion and llama.cpp's server need (prompts are token ids; the text never
+    matters to the benchmarks).
+    """
+    if (folder / "tokenizer.json").exists():
+        return
+    data = json.loads((DEMO_TOKENIZER / "tokenizer.json").read_text())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list = data["model"]["merges"]
+    base = sorted((t for t in vocab if len(t) > 1 and not t.startswith("<")), key=vocab.get)
+    i = 0
+    while len(vocab) < vocab_size:
+        n = len(base)  # i -> (i % n, (i % n + i // n) % n) visits every pair once
+        left, right = base[i % n], base[(i % n + i // n) % n]
+        i += 1
+        token = left + right
+        if token not in vocab:
+            vocab[token] = len(vocab)
+            merges.append([left, right])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    for name in TOKENIZER_FILES[1:]:
+        (folder / name).write_text((DEMO_TOKENIZER / name).read_text())
+
+
 def build_bench_model(folder: Path, seed: int = 0) -> Path:
-    """The 125M-parameter Llama benchmark model (random weights, bfloat16), built once."""
+    """The 125M-parameter Llama benchmark model (random weights, bfloat16) and its tokenizer
+    (build_bench_tokenizer), built once."""
+    build_bench_tokenizer(folder)
     if (folder / "config.json").exists():
         return folder
     import torch

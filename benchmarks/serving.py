@@ -10,6 +10,15 @@ from the server's own tokenization of a text, of a fixed length; outputs have a 
     python benchmarks/serving.py --model models/pagedllm-demo           # starts a server
     python benchmarks/serving.py --base-url http://127.0.0.1:8000       # a running server
     python benchmarks/serving.py --request-rates 1 4 inf --num-prompts 32 --plot out.png
+
+Side by side with llama.cpp (``--llama-server PATH --gguf FILE``): after pagedllm's server,
+llama-server (one slot per request, all cores) gets the same prompts and the same arrivals,
+and a last table sets throughput, p99 TTFT and p99 ITL of the two next to each other:
+
+    python benchmarks/serving.py --model bench_out/llama-125m \
+        --server-args "--dtype float32 --quantization int8" --request-rates 1 2 4 \
+        --llama-server /work/llama-peer/bin/llama-server \
+        --gguf /work/llama-peer/gguf/llama-125m-q8_0.gguf
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -107,6 +117,7 @@ async def send(client: httpx.AsyncClient, url: str, prompt: list[int], output_le
         "stream_options": {"include_usage": True},
     }
     result = Result()
+    chunks = 0  # one per token: the count when a server sends no usage (llama.cpp)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -120,6 +131,9 @@ async def send(client: httpx.AsyncClient, url: str, prompt: list[int], output_le
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                choice = (chunk.get("choices") or [{}])[0]
+                if "text" in choice and (choice["text"] or choice.get("finish_reason") is None):
+                    chunks += 1  # a token (text may wait for the rest of a UTF-8 character)
                 if chunk.get("choices") and chunk["choices"][0]["text"]:
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -127,6 +141,7 @@ async def send(client: httpx.AsyncClient, url: str, prompt: list[int], output_le
                         result.itls.append(now - last)
                     last = now
         result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks
         result.ok = result.output_tokens == output_len
         if not result.ok:
             result.error = f"{result.output_tokens} tokens instead of {output_len}"
@@ -270,13 +285,58 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path, default=Path("benchmarks/results/serving.png"))
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    ap.add_argument("--llama-server", type=Path, default=None, help="also run llama-server")
+    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves")
+    ap.add_argument("--llama-threads", type=int, default=None, help="default: all cores")
     ap.add_argument(
         "--offline-baseline",
         action="store_true",
         help="with --model: after the server stops, run the same requests through the offline "
         "LLM and report served / offline throughput",
     )
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.llama_server and args.gguf is None:
+        ap.error("--llama-server needs --gguf")
+    return args
+
+
+def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, list]:
+    """The unloaded baseline and one row per request rate against the server at url."""
+    asyncio.run(run_sequential(url, prompts[:2], args.output_len))  # warm-up
+    start = time.perf_counter()
+    base = asyncio.run(run_sequential(url, prompts[: args.baseline_prompts], args.output_len))
+    baseline = summarize(0.0, base, time.perf_counter() - start)
+    rows = []
+    for i, rate in enumerate(args.request_rates):
+        results, seconds = asyncio.run(run_rate(url, prompts, args.output_len, rate, args.seed + i))
+        rows.append(summarize(rate, results, seconds))
+        errors = {r.error for r in results if not r.ok}
+        print(f"rate {rate:g}: {rows[-1]['completed']} done in {seconds:.1f} s {errors or ''}")
+    print_table(rows, baseline)
+    return baseline, rows
+
+
+def measure_llama(prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, list]:
+    """The same requests and arrivals against llama.cpp's server (one slot per request)."""
+    from compare import LlamaServer
+
+    ctx = args.input_len + args.output_len + 16
+    threads = args.llama_threads or os.cpu_count() or 1
+    with LlamaServer(args.llama_server, args.gguf, threads, args.num_prompts, ctx) as server:
+        print(f"\nllama.cpp server ({args.gguf.name}): {server.url}")
+        return measure(server.url, prompts, args)
+
+
+def side_by_side(ours: list[dict], theirs: list[dict]) -> None:
+    print("\n| rate | out tok/s pagedllm / llama.cpp | p99 TTFT ms | p99 ITL ms | p50 TTFT ms |")
+    print("|---|---|---|---|---|")
+    for a, b in zip(ours, theirs):
+        print(
+            f"| {a['rate']:g} | {a['out_tok_per_s']:.1f} / {b['out_tok_per_s']:.1f} "
+            f"| {a['ttft_p99_ms']:.0f} / {b['ttft_p99_ms']:.0f} "
+            f"| {a['itl_p99_ms']:.0f} / {b['itl_p99_ms']:.0f} "
+            f"| {a['ttft_p50_ms']:.0f} / {b['ttft_p50_ms']:.0f} |"
+        )
 
 
 def main() -> None:
@@ -289,28 +349,21 @@ def main() -> None:
         prompts = make_prompts(url, args.num_prompts, args.input_len, args.seed)
         print(f"machine: {machine()}\nserver: {url}")
         print(f"{args.num_prompts} requests per rate, {args.input_len} in / {args.output_len} out")
-        asyncio.run(run_sequential(url, prompts[:2], args.output_len))  # warm-up
-        start = time.perf_counter()
-        base = asyncio.run(run_sequential(url, prompts[: args.baseline_prompts], args.output_len))
-        baseline = summarize(0.0, base, time.perf_counter() - start)
-        rows = []
-        for i, rate in enumerate(args.request_rates):
-            results, seconds = asyncio.run(
-                run_rate(url, prompts, args.output_len, rate, args.seed + i)
-            )
-            rows.append(summarize(rate, results, seconds))
-            errors = {r.error for r in results if not r.ok}
-            print(f"rate {rate:g}: {rows[-1]['completed']} done in {seconds:.1f} s {errors or ''}")
-        print_table(rows, baseline)
-        if args.json:
-            args.json.write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
-        if args.plot:
-            title = f"{args.input_len} in / {args.output_len} out tokens, {args.num_prompts} req"
-            plot(rows, args.plot, f"Latency vs request rate ({title})")
+        baseline, rows = measure(url, prompts, args)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+    report = {"baseline": baseline, "rows": rows}
+    if args.llama_server:
+        llama_base, llama_rows = measure_llama(prompts, args)
+        report["llama.cpp"] = {"baseline": llama_base, "rows": llama_rows}
+        side_by_side(rows, llama_rows)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        title = f"{args.input_len} in / {args.output_len} out tokens, {args.num_prompts} req"
+        plot(rows, args.plot, f"Latency vs request rate ({title})")
     if args.offline_baseline and proc is not None:
         model = args.model or default_model_path()
         offline = offline_throughput(model, args.server_args, prompts, args.output_len)

@@ -32,16 +32,26 @@ class Request:
     output_len: int
 
 
-def make_workload(name: str, seed: int = 0, vocab: int = 32000) -> list[Request]:
+WORKLOADS = ("uniform", "mixed", "shared-prefix")
+
+
+def make_workload(
+    name: str, seed: int = 0, vocab: int = 32000, scale: float = 1.0
+) -> list[Request]:
+    """The issue's workloads; scale < 1 keeps that share of the requests (quick runs)."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    count = lambda n: max(1, round(n * scale))  # noqa: E731
     if name == "uniform":
-        return [Request(tok(128), 128) for _ in range(32)]
+        return [Request(tok(128), 128) for _ in range(count(32))]
     if name == "mixed":
-        return [Request(tok(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(64)]
+        return [Request(tok(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(count(64))]
     if name == "shared-prefix":
         system = tok(256)
-        return [Request(system + tok(rng.randint(16, 64)), rng.randint(32, 128)) for _ in range(64)]
+        return [
+            Request(system + tok(rng.randint(16, 64)), rng.randint(32, 128))
+            for _ in range(count(64))
+        ]
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -70,12 +80,18 @@ def run_pagedllm(model_dir: Path, reqs: list[Request], engine_kwargs: dict) -> t
     return elapsed, info
 
 
-def run_hf(model_dir: Path, reqs: list[Request], batch_size: int, dtype: str) -> float:
+def run_hf(
+    model_dir: Path, reqs: list[Request], batch_size: int, dtype: str, warmup: bool = False
+) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
     pad = 0
+    if warmup:  # one short batch first: allocator, oneDNN primitives, lazy imports
+        with torch.inference_mode():
+            ids = torch.tensor([reqs[0].prompt[:16]] * min(batch_size, len(reqs)))
+            model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)
     start = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         batch = reqs[i : i + batch_size]

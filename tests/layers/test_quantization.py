@@ -86,7 +86,7 @@ def test_int8_linear_within_scale_derived_tolerance(kernel, k):
     assert torch.all((deq - w).abs() <= layer.weight_scale[:, None] / 2 * 1.0001)
 
 
-@pytest.mark.parametrize("kernel", ["onednn", "int_mm"])
+@pytest.mark.parametrize("kernel", ["cpu_int8", "onednn", "int_mm"])
 def test_per_token_activations_are_batch_invariant(kernel):
     """A token's output does not depend on the tokens beside it (prefix caching relies on it)."""
     layer = _linear(64, 32)

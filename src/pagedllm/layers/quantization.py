@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import QuantConfig
+from pagedllm.layers import cpu_int8
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
@@ -188,6 +189,32 @@ class OneDNNKernel(Int8Kernel):
         return self.packed.to_dense().t()
 
 
+class CpuInt8Kernel(Int8Kernel):
+    """CPU: pagedllm's C++ int8 GEMM (layers/cpu_int8.py): the observer, rounding, u8 x s8
+    product with exact int32 sums and the rescale in one call per layer. Same integers and
+    scales as OneDNNKernel (and the same 7-bit activations without VNNI); at decode sizes it
+    saves the per-layer torch ops that cost more than the product (3x at one row), at 256
+    rows it is within a few percent of oneDNN (benchmarks/gemm_int8.py). Per-token observer
+    only: the kernel measures each row's range itself."""
+
+    name = "cpu_int8"
+
+    def __init__(self, module: nn.Module, observer: Callable | None) -> None:
+        super().__init__(module, observer)
+        if not isinstance(observer, MinMaxObserver):
+            raise ValueError("the cpu_int8 kernel needs the per-token (minmax) observer.")
+        self.levels = QMAX if _cpu_has_vnni() and cpu_int8.has_vnni() else 63
+        self.packed, self.rowsum = cpu_int8.pack(self.qweight)
+        self.shape = tuple(self.qweight.shape)
+        del self.qweight
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.linear(x.float(), self.packed, self.rowsum, self.scale, self.levels)
+
+    def weight_int8(self) -> torch.Tensor:
+        return cpu_int8.unpack(self.packed, self.shape)
+
+
 class IntMMKernel(Int8Kernel):
     """torch._int_mm (int8 x int8 -> int32): cuBLASLt on CUDA, a reference loop elsewhere."""
 
@@ -214,21 +241,27 @@ class WeightOnlyKernel(Int8Kernel):
 
 
 KERNELS: dict[str, type[Int8Kernel]] = {
-    k.name: k for k in (OneDNNKernel, IntMMKernel, WeightOnlyKernel)
+    k.name: k for k in (CpuInt8Kernel, OneDNNKernel, IntMMKernel, WeightOnlyKernel)
 }
 
 
-def default_kernel(device: torch.device, enable_activation: bool) -> str:
+def default_kernel(
+    device: torch.device, enable_activation: bool, observer_type: str = "minmax"
+) -> str:
     """The fastest kernel the device has for the requested mode."""
     if not enable_activation:
         return "weight_only"
+    if device.type == "cpu" and observer_type == "minmax" and cpu_int8.load():
+        return "cpu_int8"
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
         return "onednn"
     return "int_mm"
 
 
-def _kernel_for(module: nn.Module, requested: str | None, enable_activation: bool) -> str:
-    name = requested or default_kernel(module.weight.device, enable_activation)
+def _kernel_for(
+    module: nn.Module, requested: str | None, enable_activation: bool, observer_type: str
+) -> str:
+    name = requested or default_kernel(module.weight.device, enable_activation, observer_type)
     rows, cols = module.weight.shape
     if name == "int_mm" and module.weight.is_cuda and (rows % 8 or cols % 8):
         return "weight_only"  # cuBLASLt's int8 GEMM needs K and N multiples of 8
@@ -302,7 +335,7 @@ def _to_int8_class(module: nn.Module, kernel: Int8Kernel | None) -> None:
     weight loaders and ties stay as they are)."""
     module.__class__ = INT8_CLASSES[type(module)]
     module.quant_kernel = kernel
-    if isinstance(kernel, OneDNNKernel):
+    if isinstance(kernel, (OneDNNKernel, CpuInt8Kernel)):
         # The prepacked copy replaces the plain int8 weight; an empty one keeps the name.
         module.register_buffer("weight_packed", kernel.packed, persistent=False)
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
@@ -351,8 +384,9 @@ def _empty_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class DynamicQuantConfig(QuantConfig):
     """int8 quantization of a model's linear layers, LM head and embedding (module docstring).
 
-    kernel: one of KERNELS, or None for the fastest the device has (oneDNN on CPU, _int_mm on
-    CUDA; weight-only when enable_activation is False).
+    kernel: one of KERNELS, or None for the fastest the device has (on CPU the C++ cpu_int8
+    kernel with the minmax observer, else oneDNN; _int_mm on CUDA; weight-only when
+    enable_activation is False).
     """
 
     kernel: str | None = None
@@ -415,7 +449,7 @@ class DynamicQuantConfig(QuantConfig):
         for module in modules:
             kernel = None
             if isinstance(module, (LinearBase, ParallelLMHead)):
-                name = _kernel_for(module, self.kernel, self.enable_activation)
+                name = _kernel_for(module, self.kernel, self.enable_activation, self.observer_type)
                 observer = OBSERVERS[self.observer_type](module.weight.device)
                 kernel = KERNELS[name](module, observer if self.enable_activation else None)
             _to_int8_class(module, kernel)

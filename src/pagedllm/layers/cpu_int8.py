@@ -1,0 +1,86 @@
+"""The C++ int8 GEMM (csrc/int8_gemm.cpp): a whole int8 linear layer in one call.
+
+At decode a linear layer sees a handful of rows; there the oneDNN path's per-call torch ops
+(observer, rounding, zero point, rescale) cost more than the product itself. This kernel does
+the whole layer in one call with the same arithmetic (per-token int8 activations, exact int32
+sums), so its results equal the oneDNN kernel's. Built on first use like the attention
+kernel; the instruction set (AVX-512 VNNI, AVX-VNNI, AVX-512BW, AVX2, portable) is picked at
+run time, so one build serves any x86 CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first call of the first process) and load the kernel; False if that fails."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="pagedllm_int8_gemm",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as exc:  # no compiler or ninja: the oneDNN path still works
+        warnings.warn(
+            f"CPU int8 GEMM kernel unavailable ({type(exc).__name__}: {exc}); using oneDNN "
+            "for every batch size",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    logger.info("CPU int8 GEMM kernel loaded (%s)", isa())
+    return True
+
+
+def isa() -> str:
+    """The instruction set the kernel runs: avx512_vnni | avx_vnni | avx512bw | avx2 | scalar."""
+    return torch.ops.pagedllm_int8.isa()
+
+
+def has_vnni() -> bool:
+    return isa() in ("avx512_vnni", "avx_vnni")
+
+
+def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] -> (packed blocks, int32 row sums) for :func:`linear`."""
+    return torch.ops.pagedllm_int8.int8_pack(weight)
+
+
+def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The int8 [N, K] weight back from :func:`pack`'s blocks (saving, tests)."""
+    blocks, groups = packed.shape[:2]
+    full = packed.view(blocks, groups, 16, 4).permute(0, 2, 1, 3).reshape(blocks * 16, groups * 4)
+    return full[: shape[0], : shape[1]].contiguous()
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    rowsum: torch.Tensor,
+    scale: torch.Tensor,
+    levels: int,
+    bias: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """x fp32 [M, K] -> fp32 [M, N]: per-row int8 activations (|q| <= levels) times the
+    packed weight, rescaled by each row's step and the weight's per-row scale. isa forces an
+    instruction set the CPU runs (tests); None takes the best."""
+    return torch.ops.pagedllm_int8.int8_linear(x, packed, rowsum, scale, levels, bias, isa)
+
+
+ISAS = ("avx512_vnni", "avx_vnni", "avx512bw", "avx2", "scalar")

@@ -1,0 +1,352 @@
+// int8 GEMM for a few rows (decode): y[M, N] = float(xq[M, K] . wq[N, K]) * w_scale[N] * step[M]
+//
+// One call per linear layer does what the oneDNN path needs several torch ops for: each row of
+// x is quantized to int8 by its own absolute maximum (step = absmax / levels), stored as u8
+// with zero point levels + 1, multiplied against the prepacked int8 weight with exact int32
+// accumulation, and rescaled. The zero point is removed with the weight's row sums. The
+// integer sums are exact on every path, so the result equals the oneDNN kernel's.
+//
+// Weight layout: rows in blocks of 16, K in groups of 4: packed[N/16][K/4][16][4]. One 64-byte
+// load holds 4 K values of 16 output rows; each row of x contributes a broadcast 4-byte group,
+// so a loaded weight block serves every row of x (the weight is read once per call).
+//
+// The instruction set is chosen at run time (compiled per function with target attributes):
+// AVX-512 VNNI (vpdpbusd), AVX-VNNI, AVX-512BW or AVX2 (vpmaddubsw + vpmaddwd: u8 x s8 pairs
+// saturate in int16, so activations must keep |xq| <= 63 there), else portable C++.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PAGEDLLM_X86 1
+#else
+#define PAGEDLLM_X86 0
+#endif
+
+namespace {
+
+constexpr int kRows = 16;  // output rows per weight block
+constexpr int kGroup = 4;  // K values per 4-byte group
+constexpr int kMaxM = 8;   // rows of x per pass over a weight block (accumulators in registers)
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512bw = 2, kAvxVnni = 3, kAvx512Vnni = 4 };
+
+// Whether this CPU runs an instruction set (cpuid through the compiler's builtins).
+bool cpu_runs(Isa i) {
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  __builtin_cpu_init();
+  switch (i) {
+    case Isa::kAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+    case Isa::kAvxVnni:
+#if defined(__clang__) || __GNUC__ >= 11
+      return __builtin_cpu_supports("avxvnni");
+#else
+      return false;
+#endif
+    case Isa::kAvx512bw: return __builtin_cpu_supports("avx512bw");
+    case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default: return true;
+  }
+#else
+  return i == Isa::kScalar;
+#endif
+}
+
+Isa detect_isa() {
+  for (Isa i : {Isa::kAvx512Vnni, Isa::kAvxVnni, Isa::kAvx512bw, Isa::kAvx2})
+    if (cpu_runs(i)) return i;
+  return Isa::kScalar;
+}
+
+Isa isa() {
+  static const Isa value = detect_isa();
+  return value;
+}
+
+const char* isa_name(Isa i);
+
+Isa isa_from_name(const std::string& name) {
+  for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512bw, Isa::kAvxVnni, Isa::kAvx512Vnni})
+    if (name == isa_name(i)) return i;
+  TORCH_CHECK(false, "unknown instruction set ", name);
+}
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvxVnni: return "avx_vnni";
+    case Isa::kAvx512bw: return "avx512bw";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+bool has_vnni(Isa i) { return i == Isa::kAvx512Vnni || i == Isa::kAvxVnni; }
+
+// ---- the block micro-kernels: acc[m][16] += sum over K groups of xu[m] . w -----------------
+// w points at one block ([K/4][16][4] bytes); xu rows are [M][Kp] u8, stride kp.
+void block_scalar(const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t* acc) {
+  for (int r = 0; r < m; ++r) {
+    const uint8_t* x = xu + r * kp;
+    int32_t* a = acc + r * kRows;
+    for (int64_t g = 0; g < kp / kGroup; ++g) {
+      const int8_t* wg = w + g * kRows * kGroup;
+      const uint8_t* xg = x + g * kGroup;
+      for (int n = 0; n < kRows; ++n) {
+        int32_t s = 0;
+        for (int j = 0; j < kGroup; ++j) s += int32_t(xg[j]) * int32_t(wg[n * kGroup + j]);
+        a[n] += s;
+      }
+    }
+  }
+}
+
+#if PAGEDLLM_X86 && defined(__GNUC__)
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
+    const int8_t* w, const uint8_t* xu, int64_t kp, int32_t* acc) {
+  __m512i a[M];
+  for (int r = 0; r < M; ++r) a[r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const __m512i wv = _mm512_loadu_si512(w + g * kRows * kGroup);
+    for (int r = 0; r < M; ++r) {
+      int32_t xg;
+      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(xg), wv);
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_si512(acc + r * kRows, a[r]);
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512bw"))) void block_avx512bw(const int8_t* w,
+                                                                 const uint8_t* xu, int64_t kp,
+                                                                 int32_t* acc) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512i a[M];
+  for (int r = 0; r < M; ++r) a[r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const __m512i wv = _mm512_loadu_si512(w + g * kRows * kGroup);
+    for (int r = 0; r < M; ++r) {
+      int32_t xg;
+      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const __m512i p = _mm512_maddubs_epi16(_mm512_set1_epi32(xg), wv);
+      a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(p, ones));
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_si512(acc + r * kRows, a[r]);
+}
+
+#if defined(__clang__) || __GNUC__ >= 11
+template <int M>
+__attribute__((target("avx2,avxvnni"))) void block_avxvnni(const int8_t* w, const uint8_t* xu,
+                                                           int64_t kp, int32_t* acc) {
+  __m256i lo[M], hi[M];
+  for (int r = 0; r < M; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const int8_t* wg = w + g * kRows * kGroup;
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
+    for (int r = 0; r < M; ++r) {
+      int32_t xg;
+      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const __m256i xv = _mm256_set1_epi32(xg);
+      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xv, w0);
+      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xv, w1);
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kRows), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kRows + 8), hi[r]);
+  }
+}
+#endif
+
+template <int M>
+__attribute__((target("avx2,fma"))) void block_avx2(const int8_t* w, const uint8_t* xu,
+                                                    int64_t kp, int32_t* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo[M], hi[M];
+  for (int r = 0; r < M; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const int8_t* wg = w + g * kRows * kGroup;
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
+    for (int r = 0; r < M; ++r) {
+      int32_t xg;
+      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const __m256i xv = _mm256_set1_epi32(xg);
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w0), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w1), ones));
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kRows), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kRows + 8), hi[r]);
+  }
+}
+
+#define PAGEDLLM_DISPATCH_M(fn, m, ...)   \
+  switch (m) {                             \
+    case 1: fn<1>(__VA_ARGS__); break;     \
+    case 2: fn<2>(__VA_ARGS__); break;     \
+    case 3: fn<3>(__VA_ARGS__); break;     \
+    case 4: fn<4>(__VA_ARGS__); break;     \
+    case 5: fn<5>(__VA_ARGS__); break;     \
+    case 6: fn<6>(__VA_ARGS__); break;     \
+    case 7: fn<7>(__VA_ARGS__); break;     \
+    default: fn<8>(__VA_ARGS__); break;    \
+  }
+#endif
+
+// acc[m][16] = int32 dot products of m (<= kMaxM) rows of xu with one weight block.
+void block(Isa i, const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t* acc) {
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  switch (i) {
+    case Isa::kAvx512Vnni: PAGEDLLM_DISPATCH_M(block_avx512vnni, m, w, xu, kp, acc) return;
+#if defined(__clang__) || __GNUC__ >= 11
+    case Isa::kAvxVnni: PAGEDLLM_DISPATCH_M(block_avxvnni, m, w, xu, kp, acc) return;
+#endif
+    case Isa::kAvx512bw: PAGEDLLM_DISPATCH_M(block_avx512bw, m, w, xu, kp, acc) return;
+    case Isa::kAvx2: PAGEDLLM_DISPATCH_M(block_avx2, m, w, xu, kp, acc) return;
+    default: break;
+  }
+#endif
+  std::fill(acc, acc + m * kRows, 0);
+  block_scalar(w, xu, kp, m, acc);
+}
+
+// ---- ops -------------------------------------------------------------------------------------
+// weight int8 [N, K] -> (packed int8 [ceil(N/16), ceil(K/4), 64], row sums int32 [N]).
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "weight must be int8 2-D");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t nb = (n + kRows - 1) / kRows, kg = (k + kGroup - 1) / kGroup;
+  at::Tensor packed = at::zeros({nb, kg, kRows * kGroup}, w.options());
+  at::Tensor rowsum = at::empty({n}, w.options().dtype(at::kInt));
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sums = rowsum.data_ptr<int32_t>();
+  for (int64_t row = 0; row < n; ++row) {
+    int32_t s = 0;
+    for (int64_t c = 0; c < k; ++c) {
+      const int8_t v = src[row * k + c];
+      s += v;
+      dst[((row / kRows) * kg + c / kGroup) * kRows * kGroup + (row % kRows) * kGroup +
+          c % kGroup] = v;
+    }
+    sums[row] = s;
+  }
+  return {packed, rowsum};
+}
+
+// Each row of x to u8 (xq + zero, xq = round(x / step) in [-levels, levels]); K padded with
+// the zero point (xq = 0). Same arithmetic as the torch path: step = max(absmax, tiny) / levels.
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels, uint8_t* xu,
+                   float* step) {
+  const float tiny = std::numeric_limits<float>::min();
+  const float lv = float(levels), zero = float(levels + 1);
+  // Adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 half to even, like torch.round, in a
+  // loop the compiler vectorizes (std::nearbyint is a library call on baseline x86-64).
+  const float magic = 12582912.0f;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * k;
+      float absmax = 0.f;
+      for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+      const float s = std::max(absmax, tiny) / lv;
+      step[r] = s;
+      uint8_t* out = xu + r * kp;
+      for (int64_t c = 0; c < k; ++c) {
+        const float v = std::min(std::max(row[c] / s, -lv), lv);  // clamp, then round: same
+        out[c] = uint8_t(int32_t((v + magic) - magic + zero));     // as round, then clamp
+      }
+      for (int64_t c = k; c < kp; ++c) out[c] = uint8_t(levels + 1);
+    }
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& rowsum,
+                       const at::Tensor& w_scale, int64_t levels,
+                       const c10::optional<at::Tensor>& bias,
+                       const c10::optional<std::string>& force_isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kRows * kGroup,
+              "packed must come from int8_pack");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  rowsum.scalar_type() == at::kInt && rowsum.numel() == w_scale.numel(),
+              "w_scale must be float32 [N] and rowsum int32 [N]");
+  const Isa i = force_isa.has_value() ? isa_from_name(*force_isa) : isa();
+  TORCH_CHECK(cpu_runs(i), "this CPU does not run ", isa_name(i));
+  TORCH_CHECK(levels >= 1 && levels <= 127, "levels must be in [1, 127]");
+  TORCH_CHECK(levels <= 63 || has_vnni(i) || i == Isa::kScalar,
+              "without VNNI, activations must keep |xq| <= 63 (int16 pair sums)");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = w_scale.numel();
+  const int64_t nb = packed.size(0), kp = packed.size(1) * kGroup;
+  TORCH_CHECK(nb == (n + kRows - 1) / kRows && kp >= k && kp - k < kGroup, "shape mismatch");
+  at::Tensor y = at::empty({m, n}, xc.options());
+  if (m == 0) return y;
+  std::vector<uint8_t> xu(m * kp);
+  std::vector<float> step(m);
+  quantize_rows(xc.data_ptr<float>(), m, k, kp, int(levels), xu.data(), step.data());
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int32_t* sums = rowsum.data_ptr<int32_t>();
+  const float* ws = w_scale.data_ptr<float>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n &&
+                                    bias->is_contiguous()),
+              "bias must be float32 [N]");
+  float* out = y.data_ptr<float>();
+  const int32_t zero = int32_t(levels) + 1;
+  const int64_t block_bytes = packed.size(1) * kRows * kGroup;
+  // Enough blocks per task that a task streams at least ~64 KiB of weight.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    int32_t acc[kMaxM * kRows];
+    for (int64_t bi = b0; bi < b1; ++bi) {
+      const int64_t n0 = bi * kRows, rows = std::min<int64_t>(kRows, n - n0);
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxM) {
+        const int mr = int(std::min<int64_t>(kMaxM, m - r0));
+        block(i, w + bi * block_bytes, xu.data() + r0 * kp, kp, mr, acc);
+        for (int r = 0; r < mr; ++r) {
+          float* yr = out + (r0 + r) * n + n0;
+          const float s = step[r0 + r];
+          for (int64_t c = 0; c < rows; ++c) {
+            const float v = float(acc[r * kRows + c] - zero * sums[n0 + c]) * ws[n0 + c] * s;
+            yr[c] = b ? v + b[n0 + c] : v;
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+std::string int8_isa() { return isa_name(isa()); }
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_int8, m) {
+  m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)", &int8_pack);
+  m.def(
+      "int8_linear(Tensor x, Tensor packed, Tensor rowsum, Tensor w_scale, int levels, "
+      "Tensor? bias, str? isa=None) -> Tensor",
+      &int8_linear);
+  m.def("isa() -> str", &int8_isa);
+}

@@ -1,0 +1,117 @@
+"""The C++ int8 GEMM for few rows against a float64 reference of the same arithmetic, on every
+instruction set this CPU runs, and against the oneDNN kernel it stands in for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.ci import unavailable
+
+from pagedllm.layers import cpu_int8
+from pagedllm.layers.quantization import quantize_weight
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if not cpu_int8.load():
+        unavailable("the C++ int8 kernel did not build (no C++ toolchain?)")
+
+
+def reference(x, q, scale, levels, bias=None):  # noqa: ANN001, ANN201
+    """Per-row int8 activations, exact integer sums (float64), then the two scales."""
+    step = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
+    xq = (x / step).round().clamp(-levels, levels)
+    acc = (xq.double() @ q.double().t()).float()
+    y = acc * scale * step
+    return y if bias is None else y + bias
+
+
+def runnable_isas(levels: int) -> list[str]:
+    isas = []
+    for name in cpu_int8.ISAS:
+        x, w = torch.randn(1, 8), torch.randint(-127, 128, (16, 8), dtype=torch.int8)
+        packed, rowsum = cpu_int8.pack(w)
+        try:
+            cpu_int8.linear(x, packed, rowsum, torch.ones(16), levels, isa=name)
+        except RuntimeError:
+            continue
+        isas.append(name)
+    return isas
+
+
+@pytest.mark.parametrize("levels", [63, 127])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 4), (3, 37, 50), (5, 64, 130), (9, 130, 67)])
+def test_matches_reference_on_every_isa(levels: int, m: int, n: int, k: int) -> None:
+    torch.manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k) * 3
+    q, scale = quantize_weight(torch.randn(n, k))
+    bias = torch.randn(n) if n % 2 else None
+    packed, rowsum = cpu_int8.pack(q)
+    assert torch.equal(rowsum, q.int().sum(dim=1, dtype=torch.int32))
+    want = reference(x, q, scale, levels, bias)
+    isas = runnable_isas(levels)
+    assert "scalar" in isas
+    for name in isas:
+        got = cpu_int8.linear(x, packed, rowsum, scale, levels, bias, isa=name)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=name)
+
+
+def test_pack_unpack_round_trip() -> None:
+    q = torch.randint(-127, 128, (37, 50), dtype=torch.int8)
+    packed, _ = cpu_int8.pack(q)
+    assert torch.equal(cpu_int8.unpack(packed, tuple(q.shape)), q)
+
+
+def test_default_cpu_kernel_is_the_cpp_one_and_equals_onednn() -> None:
+    """The default CPU kernel (per-token observer) is this one, with oneDNN's integers."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization import DynamicQuantConfig
+
+    torch.manual_seed(1)
+    weight, bias = torch.randn(40, 96), torch.randn(40)
+    layers = []
+    for kernel in (None, "onednn"):
+        layer = ReplicatedLinear(96, 40, bias=True)
+        layer.weight.data.copy_(weight)
+        layer.bias.data.copy_(bias)
+        DynamicQuantConfig(kernel=kernel).apply(layer)
+        layers.append(layer)
+    assert layers[0].quant_kernel.name == "cpu_int8"
+    assert layers[0].quant_kernel.levels == layers[1].quant_kernel.levels
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(layers[0](x), layers[1](x), rtol=1e-6, atol=1e-5)
+
+
+def test_without_vnni_wide_activations_are_refused() -> None:
+    q, scale = quantize_weight(torch.randn(16, 8))
+    packed, rowsum = cpu_int8.pack(q)
+    if "avx2" not in runnable_isas(63):
+        pytest.skip("no AVX2")
+    with pytest.raises(RuntimeError, match="63"):
+        cpu_int8.linear(torch.randn(1, 8), packed, rowsum, scale, 127, isa="avx2")
+
+
+def test_zero_rows_and_zero_input() -> None:
+    q, scale = quantize_weight(torch.randn(20, 12))
+    packed, rowsum = cpu_int8.pack(q)
+    assert cpu_int8.linear(torch.empty(0, 12), packed, rowsum, scale, 63).shape == (0, 20)
+    assert torch.equal(
+        cpu_int8.linear(torch.zeros(2, 12), packed, rowsum, scale, 63), torch.zeros(2, 20)
+    )
+
+
+def test_equals_onednn_kernel() -> None:
+    """Same arithmetic as OneDNNKernel: the small-batch path does not change a token."""
+    from pagedllm.layers.quantization import OneDNNKernel, _cpu_has_vnni
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    q, scale = quantize_weight(torch.randn(48, 96))
+    module.weight, module.weight_scale = q, scale
+    onednn = OneDNNKernel(module, lambda x: x.abs().amax(dim=1, keepdim=True).float())
+    x = torch.randn(4, 96)
+    packed, rowsum = cpu_int8.pack(q)
+    levels = 127 if _cpu_has_vnni() else 63
+    got = cpu_int8.linear(x, packed, rowsum, scale, levels)
+    torch.testing.assert_close(got, onednn.mm(x.clone()), rtol=1e-6, atol=1e-5)
