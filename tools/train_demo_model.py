@@ -192,6 +192,8 @@ class TrainConfig:
     threads: int = 1
     seed: int = 0
     max_corpus_chars: int | None = None
+    init_from: Path | None = None
+    source: bool = True
     sample_tokens: int = 48
     command: str = ""
 
@@ -483,8 +485,12 @@ def pack_documents(tokenizer: Any, docs: list[str]) -> torch.Tensor:
 
 
 def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
-    """Create a freshly initialised LlamaForCausalLM (seeded by cfg.seed)."""
+    """A freshly initialised LlamaForCausalLM (seeded by cfg.seed), or cfg.init_from's."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if cfg.init_from is not None:
+        torch.manual_seed(cfg.seed)
+        return LlamaForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
 
     heads, kv_heads = cfg.heads()
     config = LlamaConfig(
@@ -649,7 +655,7 @@ def train_loop(
     generator = torch.Generator().manual_seed(cfg.seed)
     batches = iterate_batches(train_tokens, cfg.seq_len, cfg.batch_size, generator)
     optimizer = make_optimizer(model, cfg)
-    initial_heldout = evaluate(model, heldout_tokens, cfg.seq_len)
+    initial_heldout = evaluate(model, heldout_tokens[: cfg.eval_blocks * cfg.seq_len], cfg.seq_len)
     budget = StepBudget(cfg)
     handlers = _install_stop_handlers(budget)
     bar = tqdm(
@@ -803,9 +809,10 @@ exists so the chat API can be exercised.
 
 {tables}
 
-Held-out documents are those whose SHA-1 is divisible by {heldout_mod}. The held-out loss
-is measured with the trained fp32 weights; the exported bfloat16 weights give the second
-figure.
+Held-out documents are those whose SHA-1 is divisible by {heldout_mod}. The held-out loss,
+perplexity and top-1 accuracy are measured on all full 512-token blocks of the held-out
+documents with the exported bfloat16 weights (computed in float32); the last row compares
+the trained float32 weights with the exported ones on the first blocks.{base}
 
 ## Training command
 
@@ -897,8 +904,11 @@ def _readme_tables(report: dict[str, Any]) -> str:
             "held-out loss / perplexity",
             f"{report['heldout_loss']:.3f} / {report['heldout_ppl']:.2f}",
         ),
-        ("held-out loss, bf16 weights", f"{report['heldout_loss_bf16']:.3f}"),
-        ("held-out top-1 accuracy, bf16 weights", f"{report['heldout_accuracy_bf16']:.4f}"),
+        ("held-out top-1 next-token accuracy", f"{report['heldout_accuracy']:.4f}"),
+        (
+            f"first {t['eval_blocks']} held-out blocks, trained fp32 / exported bf16",
+            f"{report['heldout_subset_fp32']:.3f} / {report['heldout_subset_bf16']:.3f}",
+        ),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
@@ -913,7 +923,7 @@ def _readme_samples(samples: list[tuple[str, str]]) -> str:
 
 _FLAG_FIELDS = (
     "out hidden_size num_layers num_heads num_kv_heads intermediate_size vocab_size seq_len "
-    "batch_size lr warmup_steps eval_every max_corpus_chars threads seed"
+    "batch_size lr warmup_steps eval_every max_corpus_chars init_from threads seed"
 ).split()
 
 
@@ -928,6 +938,8 @@ def repro_command(training: dict[str, Any]) -> str:
         args += ["--decay-start", str(training["decay_start"])]
     if training["autocast_bf16"]:
         args.append("--autocast-bf16")
+    if not training["source"]:
+        args.append("--no-source")
     args += ["--max-steps", str(training["steps"])]
     args += ["--schedule-steps", str(training["schedule_steps"]), "--max-minutes", "0"]
     return shlex.join(args)
@@ -950,6 +962,32 @@ def _repro_text(training: dict[str, Any]) -> str:
     )
 
 
+def _base_text(training: dict[str, Any], base_command: str | None) -> str:
+    """README paragraph on the starting weights of a continued run ('' for a fresh one)."""
+    if training["init_from"] is None:
+        return ""
+    text = (
+        f"\n\nTraining continued from the model and tokenizer in `{training['init_from']}`"
+        " (the tokenizer is kept as it is)."
+    )
+    if base_command:
+        base = re.sub(r"--out \S+", f"--out {training['init_from']}", base_command)
+        text += (
+            " Those weights are the previous demo model (documentation only, 1 thread), which"
+            f" this step-limited command reproduces exactly:\n\n```bash\n{base} --no-source\n```"
+        )
+    return text
+
+
+def base_model_command(folder: Path) -> str | None:
+    """The training command a model folder's README records, if any."""
+    readme = folder / "README.md"
+    if not readme.exists():
+        return None
+    match = re.search(r"## Training command\n\n```bash\n(.+?)\n```", readme.read_text("utf-8"))
+    return match.group(1) if match else None
+
+
 def write_readme(out: Path, report: dict[str, Any]) -> None:
     """Write README.md describing the model, its training run and its license."""
     repro = _repro_text(report["training"])
@@ -958,6 +996,7 @@ def write_readme(out: Path, report: dict[str, Any]) -> None:
     fields.update(sampled=_readme_samples(report["sampled"]), seed=SAMPLE_SEED)
     fields["sampling"] = ", ".join(f"`{k}={v}`" for k, v in DEFAULT_SAMPLING.items())
     fields.update(repro=repro, out=out.as_posix(), heldout_mod=HELDOUT_MOD)
+    fields["base"] = _base_text(report["training"], report.get("base_command"))
     fields["license"] = _psf_license_text()
     (out / "README.md").write_text(README_TEMPLATE.format(**fields), encoding="utf-8")
 
@@ -975,8 +1014,15 @@ def _setup(cfg: TrainConfig) -> None:
 
 def prepare_data(cfg: TrainConfig) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, int]]:
     """Build the corpus, train the tokenizer and pack both splits into token streams."""
-    train_docs, heldout_docs = split_corpus(build_corpus(), cfg.max_corpus_chars)
-    tokenizer = train_tokenizer(train_docs, cfg.vocab_size, max(512, cfg.seq_len))
+    docs = build_corpus(source=cfg.source)
+    train_docs, heldout_docs = split_corpus(docs, cfg.max_corpus_chars)
+    if cfg.init_from is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cfg.init_from))
+        tokenizer.chat_template = CHAT_TEMPLATE
+    else:
+        tokenizer = train_tokenizer(train_docs, cfg.vocab_size, max(512, cfg.seq_len))
     train_tokens = pack_documents(tokenizer, train_docs)
     heldout_tokens = pack_documents(tokenizer, heldout_docs)
     corpus = {
@@ -1024,10 +1070,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     summary = _model_summary(model)
     print(f"model: {json.dumps(summary)}", flush=True)
     stats = train_loop(model, train_tokens, heldout_tokens, cfg)
-    heldout = evaluate(model, heldout_tokens, cfg.seq_len)
+    subset = heldout_tokens[: cfg.eval_blocks * cfg.seq_len]
+    subset_fp32 = evaluate(model, subset, cfg.seq_len)
     export_model(model, tokenizer, cfg.out)
     model.float()  # the exported bf16 values, computed in fp32
-    heldout_bf16, accuracy_bf16 = evaluate_with_accuracy(model, heldout_tokens, cfg.seq_len)
+    subset_bf16 = evaluate(model, subset, cfg.seq_len)
+    heldout, accuracy = evaluate_with_accuracy(model, heldout_tokens, cfg.seq_len)
     samples = greedy_samples(model, tokenizer, SAMPLE_PROMPTS, cfg.sample_tokens)
     sampled = sampled_samples(model, tokenizer, SAMPLE_PROMPTS, cfg.sample_tokens)
     tokens_seen = stats["steps"] * cfg.batch_size * cfg.seq_len
@@ -1036,6 +1084,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     training["epochs"] = tokens_seen / corpus["train_tokens"]
     report = {
         "command": cfg.command,
+        "base_command": None if cfg.init_from is None else base_model_command(cfg.init_from),
         "python": sys.version.split()[0],
         "versions": _versions(),
         "model": summary,
@@ -1047,8 +1096,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "history": stats["history"],
         "heldout_loss": heldout,
         "heldout_ppl": math.exp(heldout),
-        "heldout_loss_bf16": heldout_bf16,
-        "heldout_accuracy_bf16": accuracy_bf16,
+        "heldout_accuracy": accuracy,
+        "heldout_subset_fp32": subset_fp32,
+        "heldout_subset_bf16": subset_bf16,
         "samples": list(zip(SAMPLE_PROMPTS, samples, strict=True)),
         "sampled": list(zip(SAMPLE_PROMPTS, sampled, strict=True)),
     }
@@ -1064,8 +1114,9 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"steps: {t['steps']:,}  tokens seen: {t['tokens_seen']:,}  epochs: {t['epochs']:.2f}")
     print(f"initial loss: {report['initial_loss']:.4f}  train loss: {report['train_loss']:.4f}")
     print(f"held-out loss: {report['heldout_loss']:.4f}  perplexity: {report['heldout_ppl']:.3f}")
-    print(f"held-out loss (bf16 weights): {report['heldout_loss_bf16']:.4f}")
-    print(f"held-out top-1 accuracy (bf16 weights): {report['heldout_accuracy_bf16']:.4f}")
+    print(f"held-out top-1 accuracy: {report['heldout_accuracy']:.4f}")
+    fp32, bf16 = report["heldout_subset_fp32"], report["heldout_subset_bf16"]
+    print(f"held-out subset loss, fp32 / bf16 weights: {fp32:.4f} / {bf16:.4f}")
     print(f"train time: {t['train_seconds']:.0f} s  wall time: {report['wall_seconds']:.0f} s")
     for prompt, completion in report["samples"] + report["sampled"]:
         print(f"--- {prompt!r}\n{prompt}{completion}")
@@ -1147,6 +1198,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="use only about this many training characters",
+    )
+    add(
+        "--init-from",
+        type=Path,
+        metavar="DIR",
+        help="continue from the model and tokenizer in DIR instead of training both from scratch",
+    )
+    add(
+        "--no-source",
+        dest="source",
+        action="store_false",
+        default=None,
+        help="documentation only, without the stdlib source (the corpus of earlier versions)",
     )
     add("--threads", type=int, metavar="N", help=f"torch CPU threads ({d.threads})")
     add("--seed", type=int, metavar="N", help=f"random seed ({d.seed})")
