@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.generation_config import generation_config_folder
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
@@ -48,6 +49,7 @@ class ModelConfig:
     quantization: str | None
     layer_range: tuple[int, int] | None = None  # decoder layers of a partition tier; None: all
     quant_config: QuantConfig | None = None  # int8 quantization; None: full precision
+    generation_config: str | None = None  # folder whose generation_config.json sets defaults
 
     @property
     def architecture(self) -> str:
@@ -169,6 +171,7 @@ class EngineArgs:
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
     quant_activation: bool = True
+    generation_config: str = "auto"  # default sampling: "auto" (the model's), "pagedllm", a folder
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -201,6 +204,7 @@ class EngineArgs:
                 quantization=self.quantization,
                 layer_range=_tier_layers(partition, hf_config.num_hidden_layers),
                 quant_config=self._quant_config(hf_config),
+                generation_config=generation_config_folder(self.generation_config, self.model),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
