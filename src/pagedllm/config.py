@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ class QuantConfig:
 class ModelConfig:
     model: str  # local Hugging Face folder
     tokenizer: str
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: Any  # pagedllm.hf_config.HFConfig (transformers.PretrainedConfig for other types)
     dtype: str  # "float32" | "bfloat16" | "float16"
     max_model_len: int
     seed: int
@@ -339,12 +338,9 @@ def load_hf_config(model: str) -> Any:
         )
     if not (path / "config.json").exists():
         raise ValueError(f"model folder {model!r} has no config.json.")
-    from transformers import AutoConfig
+    from pagedllm.hf_config import read_hf_config
 
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from e
+    return read_hf_config(path)
 
 
 def _max_model_len(hf_config: Any, requested: int | None) -> int:

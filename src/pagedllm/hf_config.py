@@ -90,9 +90,6 @@ class HFConfig:
     def __repr__(self) -> str:
         return f"HFConfig({self.to_dict()!r})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HFConfig) and self.__dict__ == other.__dict__
-
     @property
     def rope_scaling(self) -> dict[str, Any] | None:
         """The old name of rope_parameters, as transformers keeps it."""
