@@ -90,15 +90,13 @@ class Inputs:
         self.v_cache.view(-1, *shape[2:])[all_slots] = self.v
         rows = torch.cat(new_rows)  # this step's tokens: the last query_len keys of each seq
         self.new_k, self.new_v = self.k[rows], self.v[rows]
-        self.metadata = AttentionMetadata(
+        self.metadata = AttentionMetadata.paged(
             query_start_loc=self.cu_q,
             seq_lens=torch.tensor(case.key_lens, dtype=torch.int32),
             block_tables=table,
             slot_mapping=torch.cat([s[len(s) - q :] for s, q in zip(slots, case.query_lens)]),
             query_lens_cpu=list(case.query_lens),
             seq_lens_cpu=list(case.key_lens),
-            max_query_len=max(case.query_lens),
-            max_seq_len=max(case.key_lens),
         )
 
     @staticmethod

@@ -136,7 +136,7 @@ def bench_engine(model: Path, batch: int, steps: int, rounds: int, profile: bool
                 engine.step()
             times[name].append((time.perf_counter() - start) / steps)
     step = {name: statistics.median(t) for name, t in times.items()}
-    memory = {n: weight_bytes(e.executor.runner.model) for n, e in engines.items()}
+    memory = {n: weight_bytes(e.executor.local_runner.model) for n, e in engines.items()}
     lines = [
         f"decode at batch {batch}: {rounds} interleaved rounds of {steps} steps, median step",
         "",

@@ -69,10 +69,11 @@ def time_forward(runner, batch: int, new: int, rounds: int) -> dict[str, float]:
 
     new == 1: a decode token after a cached PROMPT_LEN-token prompt; else a `new`-token prefill.
     """
-    from pagedllm.distributed.overlap import split_batch
     from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
     from pagedllm.core.sequence import Sequence
+    from pagedllm.distributed.overlap import split_batch
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.worker.overlap import forward_overlapped, split_batch
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
     length = PROMPT_LEN + 1 if new == 1 else new
@@ -88,8 +89,8 @@ def time_forward(runner, batch: int, new: int, rounds: int) -> dict[str, float]:
     batches = split_batch(inp.input_ids, inp.positions, inp.metadata)
     variants = {
         "plain": lambda: runner.forward(inp),
-        "split": lambda: runner.model.forward_overlapped(batches, _FinishAtOnce(comm)),
-        "overlap": lambda: runner.model.forward_overlapped(batches, comm),
+        "split": lambda: forward_overlapped(runner.model, batches, _FinishAtOnce(comm)),
+        "overlap": lambda: forward_overlapped(runner.model, batches, comm),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():

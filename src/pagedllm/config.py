@@ -12,6 +12,7 @@ from pagedllm.generation_config import generation_config_folder
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # for a config.json that names no architecture
 QUANT_METHOD = "pagedllm_int8"  # quantization_config.quant_method of a saved int8 checkpoint
 
 
@@ -43,17 +44,14 @@ class ModelConfig:
     tokenizer: str
     hf_config: Any  # pagedllm.hf_config.HFConfig (transformers.PretrainedConfig for other types)
     dtype: str  # "float32" | "bfloat16" | "float16"
-    max_model_len: int
     seed: int
-    quantization: str | None
     layer_range: tuple[int, int] | None = None  # decoder layers of a partition tier; None: all
     quant_config: QuantConfig | None = None  # int8 quantization; None: full precision
     generation_config: str | None = None  # folder whose generation_config.json sets defaults
 
     @property
     def architecture(self) -> str:
-        archs = getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"]
-        return archs[0]
+        return architecture_of(self.hf_config)
 
     @property
     def num_layers(self) -> int:
@@ -61,13 +59,34 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        c = self.hf_config
-        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return num_kv_heads(self.hf_config)
 
     @property
     def head_dim(self) -> int:
-        c = self.hf_config
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return head_dim(self.hf_config)
+
+    def kv_bytes_per_token(self, layers: int | None = None) -> int:
+        """KV cache bytes one token takes over ``layers`` layers (default: all of them)."""
+        return kv_bytes_per_token(self.hf_config, DTYPE_BYTES[self.dtype], layers)
+
+
+# The shape facts of a Hugging Face config, written once; ModelConfig exposes them too.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def head_dim(hf_config: Any) -> int:
+    c = hf_config
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def num_kv_heads(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def kv_bytes_per_token(hf_config: Any, elem_bytes: int, layers: int | None = None) -> int:
+    """K and V of one token over ``layers`` layers (default: all) at elem_bytes per value."""
+    num_layers = hf_config.num_hidden_layers if layers is None else layers
+    return 2 * num_layers * num_kv_heads(hf_config) * head_dim(hf_config) * elem_bytes
 
 
 @dataclass(frozen=True)
@@ -75,14 +94,15 @@ class CacheConfig:
     block_size: int
     enable_prefix_caching: bool
     gpu_memory_utilization: float  # share of device memory the engine may use (CUDA)
-    kv_cache_memory_bytes: int | None  # explicit KV budget; the CPU default is 4 GiB
+    # explicit KV budget (else PAGEDLLM_CPU_KVCACHE_SPACE on the CPU); the CPU default is 4 GiB
+    kv_cache_memory_bytes: int | None
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
+    max_model_len: int  # the one copy: the scheduler stops sequences here, the engine checks
     enable_chunked_prefill: bool
 
 
@@ -105,13 +125,12 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    """This process's tier of an edge/cloud split (see pagedllm.partition)."""
+    """This process's tier of an edge/cloud split. Plain settings only: the plan itself is
+    read by pagedllm.partition (the split executor / cloud worker), not here."""
 
     plan: str  # path of the PartitionPlan JSON
     role: str  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest + head)
-    cut: int  # the first layer the cloud runs
     address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
-    wire_dtype: str  # hidden states on the wire: bfloat16 | float16 | float32 | int8
 
 
 @dataclass(frozen=True)
@@ -148,6 +167,8 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
+    # Tokens computed per step. A value below max_num_seqs also caps the batch at that many
+    # sequences (each running sequence decodes one token a step), so prompts really chunk.
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -184,24 +205,26 @@ class EngineArgs:
                 f"max_num_batched_tokens ({batched}) must be >= max_model_len "
                 f"({max_model_len}) when chunked prefill is disabled."
             )
-        if batched < self.max_num_seqs:
-            batched = self.max_num_seqs  # every running sequence can decode in one step
+        # Every running sequence must be able to decode in one step. A token budget below
+        # max_num_seqs is kept as asked (it is what makes prompts chunk) and the batch is
+        # capped at that many sequences instead: raising the budget would silently turn
+        # chunked prefill off.
+        max_num_seqs = min(self.max_num_seqs, batched)
         device = self.device
         if device == "auto":
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        partition = self._partition_config(hf_config)
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and device == "cpu":
+            kv_bytes = envs.PAGEDLLM_CPU_KVCACHE_SPACE_BYTES()
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer or self.model,
                 hf_config=hf_config,
                 dtype=_resolve_dtype(self.dtype, hf_config, device),
-                max_model_len=max_model_len,
                 seed=self.seed,
-                quantization=self.quantization,
-                layer_range=_tier_layers(partition, hf_config.num_hidden_layers),
                 quant_config=self._quant_config(hf_config),
                 generation_config=generation_config_folder(self.generation_config, self.model),
             ),
@@ -209,10 +232,10 @@ class EngineArgs:
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_memory_bytes=kv_bytes,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
@@ -230,36 +253,17 @@ class EngineArgs:
                 self.enforce_eager,
                 self.attention_backend or envs.PAGEDLLM_ATTENTION_BACKEND(),
             ),
-            partition=partition,
+            partition=self._partition_config(),
         )
 
-    def _partition_config(self, hf_config: Any) -> PartitionConfig | None:
+    def _partition_config(self) -> PartitionConfig | None:
         if self.partition is None:
             return None
-        from pagedllm.partition.plan import PartitionPlan
-
-        plan = PartitionPlan.load(self.partition)
         if self.partition_role not in ("edge", "cloud"):
             raise ValueError(
                 f"partition_role must be 'edge' or 'cloud', got {self.partition_role!r}."
             )
-        if len(plan.cuts) != 1 or not 0 < plan.cuts[0] < hf_config.num_hidden_layers:
-            raise ValueError(
-                f"partition plan {self.partition!r} has cuts {list(plan.cuts)}; the runtime runs "
-                f"two tiers, one cut in [1, {hf_config.num_hidden_layers - 1}]."
-            )
-        if plan.num_layers != hf_config.num_hidden_layers:
-            raise ValueError(
-                f"partition plan {self.partition!r} is for {plan.num_layers} layers, the model "
-                f"has {hf_config.num_hidden_layers}."
-            )
-        return PartitionConfig(
-            self.partition,
-            self.partition_role,
-            plan.cuts[0],
-            self.partition_address,
-            plan.wire_dtype,
-        )
+        return PartitionConfig(self.partition, self.partition_role, self.partition_address)
 
     def _verify(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -322,10 +326,10 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls)]
 
 
-def _tier_layers(partition: PartitionConfig | None, num_layers: int) -> tuple[int, int] | None:
-    if partition is None:
-        return None
-    return (0, partition.cut) if partition.role == "edge" else (partition.cut, num_layers)
+def architecture_of(hf_config: Any) -> str:
+    """The model class a Hugging Face config names (Llama when it names none)."""
+    archs = getattr(hf_config, "architectures", None) or [DEFAULT_ARCHITECTURE]
+    return archs[0]
 
 
 def load_hf_config(model: str) -> Any:

@@ -19,10 +19,19 @@ def PAGEDLLM_LOG_LEVEL() -> str:  # noqa: N802
     return os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO").upper()
 
 
-def PAGEDLLM_CPU_KVCACHE_SPACE_GIB() -> float | None:  # noqa: N802
-    """CPU KV-cache budget in GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE."""
+def PAGEDLLM_CPU_KVCACHE_SPACE_BYTES() -> int | None:  # noqa: N802
+    """The CPU KV-cache budget, set in GiB like vLLM's VLLM_CPU_KVCACHE_SPACE (fractions
+    allowed); unset or 0: the default. An explicit kv_cache_memory_bytes takes precedence."""
     value = os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE")
-    return float(value) if value else None
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if gib < 0:
+        raise ValueError(f"PAGEDLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}.")
+    return int(gib * (1 << 30)) or None
 
 
 def PAGEDLLM_TP_TIMEOUT() -> float:  # noqa: N802

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from numbers import Integral, Real
 
 # Largest number of top logprobs a request may ask for (per generated / prompt token).
 MAX_LOGPROBS = 20
-
-
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 def _check_int(name: str, value: object, *, minimum: int | None = None) -> None:
@@ -53,7 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top logprobs per prompt token
     detokenize: bool = True
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # False: added tokens join the text unspaced
     include_stop_str_in_output: bool = False
     output_text_buffer_length: int = field(default=0, init=False)
 
@@ -116,16 +109,6 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature == 0.0:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)
 
     def clone_for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n parallel samples: n=1 and a distinct seed."""

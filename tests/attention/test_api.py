@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_reference import cu_seqlens, paginate, reference
+from helpers.attention_reference import cu_seqlens, paginate, reference
 
 from pagedllm.attention import (
     flash_attn_func,

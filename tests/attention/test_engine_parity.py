@@ -1,37 +1,69 @@
-"""The engine's greedy output matches Hugging Face transformers with each CPU backend."""
+"""The engine's greedy output matches Hugging Face transformers with each CPU backend, through
+chunked prefill, prefix-cache hits and decode; the default CPU backend runs the C++ kernel."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from hf_oracle import hf_greedy
+from helpers.ci import unavailable
+from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import cpu_kernels
+from pagedllm.attention.cpu_backend import CpuAttentionBackend
+
+BLOCK = 4
+BUDGET = 32  # tokens per step: the 70-token prompt is prefilled in three chunks
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_greedy_matches_hf(model_factory, arch, backend):
+def test_greedy_matches_hf(model_factory, monkeypatch, arch, backend):
     if backend == "cpu" and not cpu_kernels.load():
-        pytest.skip("no C++ toolchain")
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    kernel_calls = count_kernel_calls(monkeypatch)
     model_dir = model_factory(arch)  # mistral: sliding window 24, shorter than the prompts
     rng = random.Random(0)
     shared = [rng.randrange(3, 320) for _ in range(30)]
-    prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (1, 9, 40)]
+    prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (40, 1, 9)]
     prompts.append([rng.randrange(3, 320) for _ in range(3)])
     llm = LLM(
         str(model_dir),
         dtype="float32",
-        attention_backend=backend,
-        block_size=4,
+        attention_backend=None if backend == "cpu" else backend,  # "cpu": the CPU default
+        block_size=BLOCK,
         kv_cache_memory_bytes=1 << 20,
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=BUDGET,
     )
-    used = llm.llm_engine.executor.runner.backend
-    assert used.name == backend and getattr(used, "_kernel", True)
+    engine = llm.llm_engine
+    used = engine.executor.runner.backend
+    assert used.name == backend
+    assert getattr(used, "uses_kernel", False) == (backend == "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    # Chunked prefill (32-token budget), prefix-cache hits on the shared 30 tokens, decode.
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == hf_greedy(model_dir, prompts, 10)
+    # First the 70-token prompt, prefilled in 32-token chunks, with a short one; then two more
+    # prompts that find the shared 30 tokens' 7 full blocks in the prefix cache; decode for all.
+    first, then = [prompts[0], prompts[3]], prompts[1:3]
+    got = [o.outputs[0].token_ids for o in llm.generate(first, params, use_tqdm=False)]
+    assert engine.scheduler.num_prefill_chunks >= -(-len(prompts[0]) // BUDGET) - 1
+    got += [o.outputs[0].token_ids for o in llm.generate(then, params, use_tqdm=False)]
+    cached = len(shared) // BLOCK * BLOCK
+    assert engine.block_manager.prefix_cache_hits == 2 * cached
+    want = hf_greedy(model_dir, prompts, 10)
+    assert got == [want[0], want[3], want[1], want[2]]
+    # the C++ kernel really ran in the "cpu" run, and never in the "torch" one
+    assert (kernel_calls[0] > 0) == (backend == "cpu")
+
+
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of the C++ kernel from now on (a one-element list)."""
+    calls = [0]
+    real = cpu_kernels.varlen_attention
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    # the backend holds the kernel as a class attribute, bound when its module was imported
+    monkeypatch.setattr(CpuAttentionBackend, "kernel", staticmethod(counted))
+    return calls

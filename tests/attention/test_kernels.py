@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+from helpers.attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+from helpers.ci import unavailable
 
 from pagedllm.attention import cpu_kernels
 from pagedllm.attention.api import attention_varlen
@@ -19,7 +20,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @pytest.fixture(scope="module", params=["cpu", "torch"])
 def impl(request) -> str:
     if request.param == "cpu" and not cpu_kernels.load():
-        pytest.skip("no C++ toolchain")
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
     return request.param
 
 

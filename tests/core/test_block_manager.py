@@ -6,14 +6,10 @@ import random
 import sys
 
 import pytest
+from helpers.sequences import make_seq
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import Sequence
-from pagedllm.sampling_params import SamplingParams
-
-
-def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
-    return Sequence(seq_id, str(seq_id), 0, tokens, SamplingParams(), None)
 
 
 def test_engine_core_does_not_import_torch():

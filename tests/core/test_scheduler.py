@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+from helpers.sequences import make_seq
+
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.sequence import Sequence, SequenceStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sequence import SequenceStatus
 
 
 def make_scheduler(
@@ -21,11 +22,6 @@ def make_scheduler(
         enable_chunked_prefill=chunked,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size, caching))
-
-
-def make_seq(seq_id: int, n_prompt: int, max_tokens: int) -> Sequence:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(seq_id, f"r{seq_id}", 0, list(range(1, n_prompt + 1)), params, None)
 
 
 def drive(sched: Scheduler, max_steps: int = 10_000) -> list[int]:
@@ -48,7 +44,7 @@ def drive(sched: Scheduler, max_steps: int = 10_000) -> list[int]:
 
 def test_chunked_prefill_splits_long_prompt():
     sched = make_scheduler(max_tokens=16)
-    seq = make_seq(0, 40, 3)
+    seq = make_seq(0, range(1, 40 + 1), max_tokens=3, ignore_eos=True)
     sched.add(seq)
     out = sched.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [16]
@@ -57,23 +53,28 @@ def test_chunked_prefill_splits_long_prompt():
     assert seq.num_computed_tokens == 16 and seq.num_output_tokens == 0
     drive(sched)
     assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.output_token_ids == [7, 7, 7]
+    assert sched.num_prefill_chunks == 2  # 16 + 16 tokens; the last 8 reach the end and sample
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     sched = make_scheduler(max_tokens=32, chunked=False)
-    a, b = make_seq(0, 20, 2), make_seq(1, 20, 2)
+    a, b = (
+        make_seq(0, range(1, 20 + 1), max_tokens=2, ignore_eos=True),
+        make_seq(1, range(1, 20 + 1), max_tokens=2, ignore_eos=True),
+    )
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
     assert [s.seq.seq_id for s in out.scheduled] == [0]
+    assert sched.num_prefill_chunks == 0
 
 
 def test_decode_runs_before_new_prefills():
     sched = make_scheduler(max_tokens=16)
-    a = make_seq(0, 8, 5)
+    a = make_seq(0, range(1, 8 + 1), max_tokens=5, ignore_eos=True)
     sched.add(a)
     sched.update(sched.schedule(), {0: 7})
-    sched.add(make_seq(1, 30, 2))
+    sched.add(make_seq(1, range(1, 30 + 1), max_tokens=2, ignore_eos=True))
     out = sched.schedule()
     assert out.scheduled[0].seq is a and out.scheduled[0].num_new_tokens == 1
     assert out.scheduled[1].num_new_tokens == 15
@@ -81,7 +82,7 @@ def test_decode_runs_before_new_prefills():
 
 def test_preemption_recomputes_and_loses_nothing():
     sched = make_scheduler(num_blocks=12, block_size=4, max_seqs=6, max_tokens=64)
-    seqs = [make_seq(i, 6, 20) for i in range(6)]
+    seqs = [make_seq(i, range(1, 6 + 1), max_tokens=20, ignore_eos=True) for i in range(6)]
     for s in seqs:
         sched.add(s)
     drive(sched)
@@ -95,7 +96,12 @@ def test_preemption_recomputes_and_loses_nothing():
 def test_random_load_finishes_everything():
     rng = random.Random(1)
     sched = make_scheduler(num_blocks=40, block_size=4, max_seqs=5, max_tokens=24)
-    seqs = [make_seq(i, rng.randint(1, 50), rng.randint(1, 30)) for i in range(40)]
+    seqs = [
+        make_seq(
+            i, range(1, rng.randint(1, 50) + 1), max_tokens=rng.randint(1, 30), ignore_eos=True
+        )
+        for i in range(40)
+    ]
     for s in seqs:
         sched.add(s)
     drive(sched)
@@ -105,7 +111,11 @@ def test_random_load_finishes_everything():
 
 def test_abort_frees_blocks_in_any_state():
     sched = make_scheduler(max_tokens=8)
-    running, chunking, waiting = make_seq(0, 4, 50), make_seq(1, 30, 5), make_seq(2, 4, 5)
+    running, chunking, waiting = (
+        make_seq(0, range(1, 4 + 1), max_tokens=50, ignore_eos=True),
+        make_seq(1, range(1, 30 + 1), max_tokens=5, ignore_eos=True),
+        make_seq(2, range(1, 4 + 1), max_tokens=5, ignore_eos=True),
+    )
     for s in (running, chunking, waiting):
         sched.add(s)
     out = sched.schedule()
@@ -120,7 +130,7 @@ def test_abort_frees_blocks_in_any_state():
 def test_prompt_larger_than_cache_is_rejected_up_front():
     sched = make_scheduler(num_blocks=4, block_size=4)
     try:
-        sched.add(make_seq(0, 20, 1))
+        sched.add(make_seq(0, range(1, 20 + 1), max_tokens=1, ignore_eos=True))
     except ValueError as e:
         assert "never fit" in str(e)
     else:

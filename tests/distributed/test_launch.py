@@ -9,7 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tp_helpers import BASE, generate_both_ways, hf_greedy, random_prompts
+from helpers.generation import random_prompts
+from helpers.oracle import hf_greedy
+from helpers.tp import BASE, generate_both_ways
 
 from pagedllm import LLM
 
@@ -87,14 +89,13 @@ def test_two_nodes_meet_at_master_port(model_factory):
     model_dir = model_factory("mistral")
     port = _free_port()
     # node 1 finds the rendezvous through the environment, node 0 through its flags; node 1
-    # imports tp_helpers to run the collective_rpc functions
+    # imports helpers.tp to run the collective_rpc functions
     node1 = _python(
         _NODE1_SCRIPT,
         str(model_dir),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        # tp_helpers and the hf_oracle module it imports
-        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), str(Path(__file__).parents[1])]),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]),  # helpers
     )
     try:
         llm = LLM(str(model_dir), tensor_parallel_size=2, nnodes=2, master_port=port, **BASE)

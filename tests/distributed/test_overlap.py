@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.sequences import make_seq
 
 from pagedllm.config import EngineArgs, ParallelConfig
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import OverlapCommunicator
-from pagedllm.distributed.overlap import split_batch
 from pagedllm.distributed.parallel_state import placement
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.multiproc_executor import StepInput
+from pagedllm.worker.overlap import forward_overlapped, split_batch
 
 
 def _mixed_batch(block_size: int) -> SchedulerOutput:
     """A prefill of 6 tokens, a 3-token chunk after 4 cached tokens, and a decode token."""
-    params = SamplingParams(temperature=0.0, max_tokens=4)
     scheduled, next_block = [], 0
     for seq_id, (length, computed) in enumerate([(6, 0), (7, 4), (9, 8)]):
-        seq = Sequence(seq_id, f"r{seq_id}", 0, list(range(5, 5 + length)), params, None)
+        seq = make_seq(seq_id, range(5, 5 + length), temperature=0.0, max_tokens=4)
         seq.num_computed_tokens = computed
         blocks = -(-length // block_size)
         seq.block_table = list(range(next_block, next_block + blocks))
@@ -33,7 +31,7 @@ def _mixed_batch(block_size: int) -> SchedulerOutput:
 @pytest.fixture(scope="module")
 def runner(model_factory) -> ModelRunner:
     args = EngineArgs(str(model_factory("llama")), dtype="float32", block_size=4)
-    runner = ModelRunner(args.create_engine_config())
+    runner = ModelRunner.from_engine_config(args.create_engine_config())
     runner.allocate_kv_cache(16)
     return runner
 
@@ -43,12 +41,12 @@ def test_split_cuts_at_the_sequence_boundary_nearest_half(runner):
     a, b = split_batch(inp.input_ids, inp.positions, inp.metadata)
     # tokens per sequence 6 | 3, 1: the cut after the first sequence is nearest 10 / 2
     assert a.metadata.query_lens_cpu == [6] and b.metadata.query_lens_cpu == [3, 1]
-    assert b.metadata.query_start_loc.tolist() == [0, 3, 4]
-    assert b.metadata.seq_lens_cpu == [7, 9] and b.metadata.max_seq_len == 9
+    assert b.metadata.batch.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert b.metadata.seq_lens_cpu == [7, 9] and b.metadata.batch.max_seqlen_k == 9
     assert torch.equal(torch.cat([a.positions, b.positions]), inp.positions)
     md = inp.metadata
     assert torch.equal(b.metadata.slot_mapping, md.slot_mapping[6:])
-    assert torch.equal(b.metadata.block_tables, md.block_tables[1:])
+    assert torch.equal(b.metadata.block_table, md.block_table[1:])
     one = runner.prepare_input(SchedulerOutput(_mixed_batch(4).scheduled[:1], 6))
     assert split_batch(one.input_ids, one.positions, one.metadata) is None
 
@@ -59,7 +57,7 @@ def test_overlapped_forward_equals_the_plain_forward(runner):
     comm = OverlapCommunicator()  # world size 1: the same schedule, reductions are no-ops
     batches = split_batch(inp.input_ids, inp.positions, inp.metadata)
     with torch.inference_mode():
-        overlapped = runner.model.forward_overlapped(batches, comm)
+        overlapped = forward_overlapped(runner.model, batches, comm)
     assert overlapped.shape == plain.shape
     torch.testing.assert_close(overlapped, plain, rtol=1e-5, atol=1e-5)
 
@@ -69,8 +67,9 @@ def test_step_input_round_trips_through_host_arrays(runner):
     back = StepInput.from_input(inp, overlap=True).to_input(torch.device("cpu"))
     for name in ("input_ids", "positions", "logits_indices"):
         assert torch.equal(getattr(back, name), getattr(inp, name))
-    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
-        assert torch.equal(getattr(back.metadata, name), getattr(inp.metadata, name))
+    for name in ("cu_seqlens_q", "seq_lens_k", "block_table"):
+        assert torch.equal(getattr(back.metadata.batch, name), getattr(inp.metadata.batch, name))
+    assert torch.equal(back.metadata.slot_mapping, inp.metadata.slot_mapping)
     assert back.metadata.query_lens_cpu == inp.metadata.query_lens_cpu
 
 

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.generation import greedy, random_prompts
+from helpers.oracle import hf_greedy
+from helpers.tp import BASE, generate_both_ways, parameter_shapes
 from safetensors import safe_open
-from tp_helpers import BASE, generate_both_ways, greedy, hf_greedy, parameter_shapes, random_prompts
 
 from pagedllm import LLM
 

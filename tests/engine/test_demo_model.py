@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_oracle import hf_greedy
+from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs

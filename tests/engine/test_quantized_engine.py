@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.generation import greedy
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.quantize_cli import evaluate
@@ -60,13 +61,6 @@ def _heldout_ids(model_dir: Path, n: int) -> list[int]:
     return AutoTokenizer.from_pretrained(str(model_dir))(_pydoc_text(1)[: n * 4])["input_ids"][:n]
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.check_integrity()
-    return [o.outputs[0].token_ids for o in outs]
-
-
 def test_int8_tracks_full_precision_on_a_trained_model(trained_model):
     """Teacher-forced on held-out text: the bars the issue sets, on a tiny trained model."""
     report = evaluate(
@@ -83,8 +77,8 @@ def test_int8_tracks_full_precision_on_a_trained_model(trained_model):
 def test_int8_engine_generates_like_full_precision(trained_model):
     ids = _heldout_ids(trained_model, 400)
     prompts = [ids[i : i + 24] for i in range(0, 384, 48)]
-    full = _greedy(LLM(str(trained_model), **BASE), prompts)
-    int8 = _greedy(LLM(str(trained_model), quantization="int8", **BASE), prompts)
+    full = greedy(LLM(str(trained_model), **BASE), prompts, 12)
+    int8 = greedy(LLM(str(trained_model), quantization="int8", **BASE), prompts, 12)
     assert all(len(t) == 12 and all(0 <= x < 320 for x in t) for t in int8)
     same = sum(a == b for f, q in zip(full, int8) for a, b in zip(f, q))
     assert same / (12 * len(prompts)) >= 0.8, (full, int8)
@@ -95,11 +89,11 @@ def test_prefix_cache_hits_reproduce_int8_output(trained_model):
     ids = _heldout_ids(trained_model, 200)
     prompts = [ids[:64] + ids[100 + i : 104 + i] for i in range(0, 24, 4)]
     llm = LLM(str(trained_model), quantization="int8", block_size=4, **BASE)
-    cold = _greedy(llm, prompts[:1])
-    warm = _greedy(llm, prompts)
+    cold = greedy(llm, prompts[:1], 12)
+    warm = greedy(llm, prompts, 12)
     assert llm.llm_engine.block_manager.prefix_cache_hits > 0
     uncached = LLM(str(trained_model), quantization="int8", enable_prefix_caching=False, **BASE)
-    assert warm == _greedy(uncached, prompts)
+    assert warm == greedy(uncached, prompts, 12)
     assert warm[0] == cold[0]
 
 
@@ -121,7 +115,7 @@ def test_saved_int8_checkpoint_loads_without_requantizing(trained_model, tmp_pat
     on_the_fly = LLM(str(trained_model), quantization="int8", quant_exclude=["o_proj"], **BASE)
     loaded = LLM(str(out), **BASE)  # quantization comes from the checkpoint
     assert loaded.llm_engine.config.model.quant_config.prequantized
-    assert _greedy(loaded, prompts) == _greedy(on_the_fly, prompts)
+    assert greedy(loaded, prompts, 12) == greedy(on_the_fly, prompts, 12)
 
 
 def test_quantize_eval_command(trained_model, tmp_path, capsys):
@@ -153,7 +147,7 @@ def test_tensor_parallel_int8(trained_model):
             want = [scales[rank * q : (rank + 1) * q]]
             want += [scales[64 + off + rank * kv : 64 + off + (rank + 1) * kv] for off in (0, 32)]
             assert torch.equal(got, torch.cat(want))
-        a, b = _greedy(tp1, prompts), _greedy(tp2, prompts)
+        a, b = greedy(tp1, prompts, 12), greedy(tp2, prompts, 12)
         assert sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) >= 0.8 * 12 * len(prompts)
     finally:
         tp2.llm_engine.shutdown()

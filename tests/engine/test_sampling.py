@@ -1,20 +1,12 @@
-"""Sampling semantics against direct references; seeds, stop strings, logprobs, errors."""
+"""Sampling semantics through the engine: seeds, stop strings, logprobs, errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine import on_call, patch_execute_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.sequence import Sequence
-from pagedllm.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
-
-
-def make_seq(seq_id: int, prompt: list[int], output: list[int], **params) -> Sequence:
-    seq = Sequence(seq_id, str(seq_id), 0, prompt, SamplingParams(**params), eos_token_id=1)
-    for t in output:
-        seq.append_token(t)
-    return seq
 
 
 @pytest.fixture(scope="module")
@@ -22,47 +14,6 @@ def llm(model_factory):
     return LLM(
         str(model_factory("llama")), dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20
     )
-
-
-def test_top_k_keeps_exactly_k():
-    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
-    out = apply_top_k_top_p_min_p(logits.clone(), [SamplingParams(top_k=2)])
-    assert torch.isfinite(out).tolist() == [[False, True, False, True, False]]
-
-
-def test_top_p_keeps_smallest_prefix_reaching_mass():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    out = apply_top_k_top_p_min_p(probs.log(), [SamplingParams(top_p=0.75)])
-    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
-    out = apply_top_k_top_p_min_p(probs.log(), [SamplingParams(top_p=0.01)])
-    assert torch.isfinite(out).tolist() == [[True, False, False, False]]
-
-
-def test_min_p_drops_tokens_below_share_of_top():
-    probs = torch.tensor([[0.6, 0.3, 0.07, 0.03]])
-    out = apply_top_k_top_p_min_p(probs.log(), [SamplingParams(min_p=0.1)])
-    assert torch.isfinite(out).tolist() == [[True, True, True, False]]
-
-
-def test_penalties_match_reference():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    seq = make_seq(
-        0, [0], [3, 3, 2], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
-    )
-    got = apply_penalties(logits.clone(), [seq])
-    # repetition on prompt+output tokens {0, 2, 3}; then frequency/presence on output {3: 2, 2: 1}
-    want = torch.tensor([[1.0, -1.0, 0.25 - 0.5 - 0.25, 1.5 - 1.0 - 0.25]])
-    assert torch.allclose(got, want)
-
-
-def test_sampling_frequencies_follow_distribution():
-    torch.manual_seed(0)
-    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    logits = probs.log().expand(4000, 4).contiguous()
-    seqs = [make_seq(i, [0], [], temperature=1.0) for i in range(4000)]
-    tokens = torch.tensor(Sampler(torch.device("cpu"))(logits, seqs).token_ids)
-    freq = torch.bincount(tokens, minlength=4).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.03)
 
 
 def test_seeded_requests_repeat_and_differ_by_seed(llm):
@@ -210,16 +161,7 @@ def test_failing_model_step_fails_only_its_requests(llm, monkeypatch):
     engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # "ok" is running, then a step including "bad" blows up
     engine.add_request("bad", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
-    real = engine.executor.execute_model
-    calls = iter([RuntimeError("boom")])
-
-    def flaky(out):
-        err = next(calls, None)
-        if err is not None:
-            raise err
-        return real(out)
-
-    monkeypatch.setattr(engine.executor, "execute_model", flaky)
+    patch_execute_model(monkeypatch, engine.executor, fault=on_call(1, RuntimeError("boom")))
     failed = engine.step()
     assert {o.request_id for o in failed} == {"ok", "bad"}
     assert all(o.finished and o.outputs[0].finish_reason == "error" for o in failed)

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+from helpers.engine import on_call, patch_execute_model
 
 from pagedllm import EngineArgs, SamplingParams
 from pagedllm.engine.async_engine import (
@@ -155,17 +156,7 @@ def test_waiting_queue_is_bounded(engine) -> None:
 def test_engine_error_fails_running_requests_then_recovers(engine, monkeypatch, error) -> None:
     # RuntimeError escapes LLMEngine.step; ExecutorLostError is turned by the engine into
     # outputs with finish_reason "error". Either way the affected requests raise EngineError.
-    runner = engine.engine.executor
-    real = runner.execute_model
-    calls = {"n": 0}
-
-    def flaky(out):  # noqa: ANN001, ANN202
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise error("device lost")
-        return real(out)
-
-    monkeypatch.setattr(runner, "execute_model", flaky)
+    patch_execute_model(monkeypatch, engine.engine.executor, fault=on_call(3, error("device lost")))
 
     async def main() -> list[object]:
         return await asyncio.gather(

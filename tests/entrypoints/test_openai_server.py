@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from helpers.engine import engine_args, on_call, patch_execute_model
+from helpers.sse import sse_events
 
-from pagedllm import LLM, EngineArgs, SamplingParams
+from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.server import build_app, serve_in_thread
 
@@ -56,29 +58,18 @@ class Server:
         return waited
 
 
-def engine_args(model) -> EngineArgs:  # noqa: ANN001
-    return EngineArgs(model=str(model), kv_cache_memory_bytes=1 << 22, max_model_len=MAX_MODEL_LEN)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    app = build_app(engine_args(tiny_llama), [MODEL], log_stats_interval=None)
+    app = build_app(
+        engine_args(tiny_llama, max_model_len=MAX_MODEL_LEN), [MODEL], log_stats_interval=None
+    )
     with serve_in_thread(app) as url:
         yield Server(url, app.state.engine, app)
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama) -> LLM:
-    return LLM(**vars(engine_args(tiny_llama)))
-
-
-def sse_events(lines) -> list[dict | str]:  # noqa: ANN001
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            body = line[len("data: ") :]
-            events.append(body if body == "[DONE]" else json.loads(body))
-    return events
+    return LLM(**vars(engine_args(tiny_llama, max_model_len=MAX_MODEL_LEN)))
 
 
 # ---- completions and chat ----------------------------------------------------------------
@@ -386,14 +377,7 @@ def test_overload_answers_503(server) -> None:
 @pytest.fixture()
 def slow_model(server, monkeypatch):
     """Every engine step takes >= 20 ms, so 200 tokens take seconds."""
-    executor = server.engine.engine.executor
-    real = executor.execute_model
-
-    def slow(out):  # noqa: ANN001, ANN202
-        time.sleep(0.02)
-        return real(out)
-
-    monkeypatch.setattr(executor, "execute_model", slow)
+    patch_execute_model(monkeypatch, server.engine.engine.executor, delay=0.02)
 
 
 LONG = {"prompt": "The quick", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -426,17 +410,8 @@ def test_non_streaming_client_disconnect_aborts(server, slow_model) -> None:
 @pytest.fixture()
 def failing_step(server, monkeypatch):
     """The model raises on the 3rd step from now, once."""
-    executor = server.engine.engine.executor
-    real = executor.execute_model
-    calls = {"n": 0}
-
-    def flaky(out):  # noqa: ANN001, ANN202
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device lost")
-        return real(out)
-
-    monkeypatch.setattr(executor, "execute_model", flaky)
+    fault = on_call(3, RuntimeError("device lost"))
+    patch_execute_model(monkeypatch, server.engine.engine.executor, fault=fault)
 
 
 def test_engine_failure_mid_stream_is_an_error_event(server, failing_step) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from conftest import make_plan
+from helpers.partition import make_plan
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine

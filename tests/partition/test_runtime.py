@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from conftest import hf_greedy, inprocess_cloud, launch_worker, make_plan, ready
+from helpers.oracle import hf_greedy
+from helpers.partition import inprocess_cloud, launch_worker, make_plan, ready
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs

@@ -13,7 +13,14 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from conftest import BLOCK_BYTES, GREEDY, assert_no_leak, engine_args, greedy, run_to_end
+from helpers.engine import (
+    BLOCK_BYTES,
+    assert_no_leak,
+    engine_args,
+    patch_execute_model,
+    run_to_end,
+)
+from helpers.generation import GREEDY, greedy_params
 
 from pagedllm import SamplingParams
 from pagedllm.core.sequence import Sequence, SequenceStatus
@@ -40,7 +47,7 @@ STATES: dict[str, Callable[[Sequence], bool]] = {
 def add_workload(engine: LLMEngine) -> None:
     for i, (prompt_len, max_tokens) in enumerate(WORKLOAD):
         prompt = [(7 * i + j) % 300 + 10 for j in range(prompt_len)]
-        engine.add_request(f"r{i}", prompt, greedy(max_tokens))
+        engine.add_request(f"r{i}", prompt, greedy_params(max_tokens))
     # n = 2 samples sharing their prompt's blocks, seeded so the output is reproducible
     engine.add_request("siblings", [11, 12, 13] * 7, SamplingParams(n=2, max_tokens=20, seed=3))
 
@@ -105,14 +112,7 @@ def server(serve, tiny_llama):
 @pytest.fixture()
 def slow_steps(server, monkeypatch):
     """Each step takes >= 50 ms, so a 150-token request takes over 7 s."""
-    executor = server.engine.engine.executor
-    real = executor.execute_model
-
-    def slow(out):  # noqa: ANN001, ANN202
-        time.sleep(0.05)
-        return real(out)
-
-    monkeypatch.setattr(executor, "execute_model", slow)
+    patch_execute_model(monkeypatch, server.engine.engine.executor, delay=0.05)
 
 
 def find_request(engine: LLMEngine, in_state: Callable[[Sequence], bool]) -> str | None:

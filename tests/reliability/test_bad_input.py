@@ -9,16 +9,9 @@ import threading
 
 import httpx
 import pytest
-from conftest import (
-    GREEDY,
-    MAX_MODEL_LEN,
-    MODEL,
-    assert_no_leak,
-    engine_args,
-    greedy,
-    run_to_end,
-    sse_events,
-)
+from helpers.engine import MAX_MODEL_LEN, MODEL, assert_no_leak, engine_args, run_to_end
+from helpers.generation import GREEDY, greedy_params
+from helpers.sse import sse_events
 
 from pagedllm import SamplingParams
 from pagedllm.engine.llm_engine import MAX_N, LLMEngine
@@ -55,15 +48,15 @@ def test_sampling_params_name_the_bad_field(field: str, value: object) -> None:
 
 # (prompt, params, message pattern): what the engine itself refuses at add_request.
 ENGINE_ERRORS = [
-    ("", greedy(4), "prompt must not be empty"),
-    ([], greedy(4), "prompt must not be empty"),
-    ([5, 320], greedy(4), r"prompt token id 320 is outside the vocabulary \[0, 320\)"),
-    ([-1], greedy(4), "outside the vocabulary"),
-    ([True, 5], greedy(4), "outside the vocabulary"),
-    ([5.0], greedy(4), "outside the vocabulary"),
-    ([5] * (MAX_MODEL_LEN + 1), greedy(4), "more than max_model_len"),
-    ("text \ud800 with a lone surrogate", greedy(4), "^prompt is not valid UTF-8"),
-    (42, greedy(4), "^prompt must be a string or a list of token ids"),
+    ("", greedy_params(4), "prompt must not be empty"),
+    ([], greedy_params(4), "prompt must not be empty"),
+    ([5, 320], greedy_params(4), r"prompt token id 320 is outside the vocabulary \[0, 320\)"),
+    ([-1], greedy_params(4), "outside the vocabulary"),
+    ([True, 5], greedy_params(4), "outside the vocabulary"),
+    ([5.0], greedy_params(4), "outside the vocabulary"),
+    ([5] * (MAX_MODEL_LEN + 1), greedy_params(4), "more than max_model_len"),
+    ("text \ud800 with a lone surrogate", greedy_params(4), "^prompt is not valid UTF-8"),
+    (42, greedy_params(4), "^prompt must be a string or a list of token ids"),
     ("x", SamplingParams(n=MAX_N + 1), f"^n must be at most {MAX_N}"),
     ("x", SamplingParams(seed=2**64, temperature=1.0), "^seed must be a 64-bit integer"),
     ("x", SamplingParams(seed=2**63 - 1, n=2), "^seed must be a 64-bit integer"),
@@ -75,9 +68,9 @@ ENGINE_ERRORS = [
 def test_engine_refuses_bad_requests_and_running_one_is_unchanged(tiny_llama) -> None:
     engine = LLMEngine.from_engine_args(engine_args(tiny_llama))
     prompt = [7, 8, 9, 10, 11]
-    engine.add_request("alone", prompt, greedy(40))
+    engine.add_request("alone", prompt, greedy_params(40))
     expected = run_to_end(engine)["alone"]
-    engine.add_request("live", prompt, greedy(40))
+    engine.add_request("live", prompt, greedy_params(40))
     for _ in range(5):
         engine.step()  # "live" is decoding when the bad requests arrive
     for i, (bad_prompt, params, pattern) in enumerate(ENGINE_ERRORS):
@@ -85,7 +78,7 @@ def test_engine_refuses_bad_requests_and_running_one_is_unchanged(tiny_llama) ->
             engine.add_request(f"bad-{i}", bad_prompt, params)
         engine.check_integrity()
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("live", prompt, greedy(4))
+        engine.add_request("live", prompt, greedy_params(4))
     assert list(engine.requests) == ["live"]  # a refused request leaves nothing behind
     assert run_to_end(engine) == {"live": expected}
     assert_no_leak(engine)

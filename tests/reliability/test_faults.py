@@ -9,8 +9,10 @@ import time
 
 import httpx
 import pytest
-from conftest import GREEDY, engine_args, sse_events
-from fault_server import POISON, corrupt_and_raise, poisoned
+from helpers.engine import engine_args, patch_execute_model
+from helpers.fault_server import POISON, corrupt_and_raise, poisoned
+from helpers.generation import GREEDY
+from helpers.sse import sse_events
 
 from pagedllm.core.scheduler import SchedulerOutput
 
@@ -37,15 +39,12 @@ def one_at_a_time(serve, tiny_llama):
 def test_model_step_exception_fails_only_that_step(one_at_a_time, monkeypatch) -> None:
     server = one_at_a_time
     expected = post(server, BODY).json()["choices"][0]["text"]
-    executor = server.engine.engine.executor
-    real = executor.execute_model
-
-    def faulty(out: SchedulerOutput):  # noqa: ANN202
-        if poisoned(out):
-            raise RuntimeError("injected fault in the model")
-        return real(out)
-
-    monkeypatch.setattr(executor, "execute_model", faulty)
+    fault = RuntimeError("injected fault in the model")
+    patch_execute_model(
+        monkeypatch,
+        server.engine.engine.executor,
+        fault=lambda n, out: fault if poisoned(out) else None,
+    )
     results: dict[str, httpx.Response] = {}
     gate, holding = threading.Event(), threading.Event()
     server.engine.submit(lambda e: (holding.set(), gate.wait(30)))  # both adds queue behind it

@@ -9,7 +9,8 @@ import json
 
 import httpx
 import pytest
-from conftest import MODEL, sse_events
+from helpers.engine import MODEL
+from helpers.sse import sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from conftest import GREEDY, MAX_MODEL_LEN, MODEL, engine_args
+from helpers.engine import MAX_MODEL_LEN, MODEL, engine_args
+from helpers.generation import GREEDY
 
 from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream

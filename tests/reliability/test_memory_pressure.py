@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from conftest import BLOCK_BYTES, GREEDY, assert_no_leak, engine_args, greedy, run_to_end
+from helpers.engine import BLOCK_BYTES, assert_no_leak, engine_args, run_to_end
+from helpers.generation import GREEDY, greedy_params
 
 from pagedllm.engine.llm_engine import LLMEngine
 
@@ -27,7 +28,7 @@ def tight_engine(model, **overrides) -> LLMEngine:  # noqa: ANN001
 
 def run(engine: LLMEngine) -> dict[str, list[int]]:
     for i, (prompt, max_tokens) in enumerate(LOAD):
-        engine.add_request(f"r{i}", prompt, greedy(max_tokens))
+        engine.add_request(f"r{i}", prompt, greedy_params(max_tokens))
     return run_to_end(engine)
 
 
@@ -47,13 +48,13 @@ def test_repeated_preemption_keeps_greedy_outputs(tiny_llama, roomy_outputs) -> 
 def test_request_that_never_fits_is_refused_up_front(tiny_llama) -> None:
     engine = tight_engine(tiny_llama, max_model_len=256)
     prompt = [5] * 100
-    engine.add_request("fits", prompt, greedy(29))  # 128 tokens: the last one takes no slot
+    engine.add_request("fits", prompt, greedy_params(29))  # 128 tokens: the last one takes no slot
     started = time.monotonic()
     for max_tokens in (30, None):  # 129 slots; up to max_model_len (256)
         with pytest.raises(ValueError, match="can never fit the KV cache"):
-            engine.add_request("too-long", prompt, greedy(max_tokens))
+            engine.add_request("too-long", prompt, greedy_params(max_tokens))
     with pytest.raises(ValueError, match="can never fit the KV cache"):
-        engine.add_request("too-long", [5] * 200, greedy(1))
+        engine.add_request("too-long", [5] * 200, greedy_params(1))
     assert time.monotonic() - started < 1.0  # refused at once, not after looping
     assert list(engine.requests) == ["fits"]
     assert len(run_to_end(engine)["fits"]) == 29  # the boundary case runs to the end, alone

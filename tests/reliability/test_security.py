@@ -9,7 +9,7 @@ import logging
 import httpx
 import openai
 import pytest
-from conftest import MODEL
+from helpers.engine import MODEL, patch_execute_model
 
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai import guard
@@ -95,12 +95,8 @@ def test_no_prompt_text_in_logs_at_the_default_level(serve, caplog, monkeypatch)
     assert httpx.post(url, json={"prompt": SECRET, "max_tokens": 2}).status_code == 200
     assert httpx.post(url, json={"prompt": SECRET, "top_p": 7}).status_code == 400
     assert httpx.post(url, json={"prompt": SECRET * 200, "max_tokens": 2}).status_code == 400
-    executor = server.engine.engine.executor
-
-    def broken(out):  # noqa: ANN001, ANN202
-        raise RuntimeError("injected fault")
-
-    monkeypatch.setattr(executor, "execute_model", broken)
+    fault = RuntimeError("injected fault")
+    patch_execute_model(monkeypatch, server.engine.engine.executor, fault=lambda n, out: fault)
     assert httpx.post(url, json={"prompt": SECRET, "max_tokens": 2}).status_code == 500
     assert "injected fault" in caplog.text  # the failure is logged ...
     assert SECRET not in caplog.text  # ... but no prompt

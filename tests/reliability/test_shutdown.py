@@ -15,18 +15,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import GREEDY, MODEL, sse_events
-from fault_server import POISON
+from helpers.engine import MODEL
+from helpers.fault_server import POISON
+from helpers.generation import GREEDY
+from helpers.sse import sse_events
 
 SECRET = "zebra-secret-prompt-7781"  # must never reach the log
-HERE = Path(__file__).parent
+HELPERS = Path(__file__).parents[1] / "helpers"
 
 
 def start_server(model: Path, step_delay: float) -> tuple[subprocess.Popen, str]:
     """The serve command with faults installed, at default log levels; (process, base URL)."""
     cmd = [
         sys.executable,
-        str(HERE / "fault_server.py"),
+        str(HELPERS / "fault_server.py"),
         str(step_delay),
         "serve",
         str(model),

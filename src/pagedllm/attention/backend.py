@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -13,12 +15,42 @@ from pagedllm.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PagedAttentionCall:
+    """One layer's attention inputs for a step, after this step's K/V went into the cache."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim], this step's keys
+    value: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor  # same shape
+    scale: float
+    window_left: int  # keys at most this many positions back; -1 for no limit
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V at their slots (slot = block_id * block_size + offset)."""
+    num_kv_heads, head_dim = key.shape[1:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
 class AttentionBackend(ABC):
-    """Computes paged attention for a flat varlen batch (prefill, chunks and decode alike)."""
+    """Computes paged attention for a flat varlen batch (prefill, chunks and decode alike).
+
+    ``forward`` is the same for every backend: write the new K/V through the slot mapping,
+    then ``attend``; a backend implements ``attend`` and may hand a call it cannot run to
+    another backend (``delegate``).
+    """
 
     name: str
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -31,6 +63,38 @@ class AttentionBackend(ABC):
         window_left: int,  # keys at most this many positions back; -1 for no limit
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write key/value into the cache through slot_mapping, then attend causally."""
+        other = self.delegate(query, key_cache)
+        if other is not None:
+            return other.forward(
+                query, key, value, key_cache, value_cache, metadata, scale, window_left
+            )
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        call = PagedAttentionCall(query, key, value, key_cache, value_cache, scale, window_left)
+        return self.attend(call, metadata)
+
+    def delegate(self, query: torch.Tensor, key_cache: torch.Tensor) -> AttentionBackend | None:
+        """Another backend to run this call instead (inputs this one does not support)."""
+        return None
+
+    @abstractmethod
+    def attend(
+        self, call: PagedAttentionCall, metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Causal attention of the step's queries over the cache (already holding its K/V)."""
+
+
+class VarlenKernelBackend(AttentionBackend):
+    """A backend whose ``attend`` is one varlen kernel call reading K/V through the block
+    table; ``kernel`` has the signature of attention.torch_varlen.varlen_attention."""
+
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+    def attend(self, call: PagedAttentionCall, metadata: AttentionMetadata) -> torch.Tensor:
+        out, _ = self.kernel(
+            call.query, call.key_cache, call.value_cache, metadata.batch, call.scale,
+            call.window_left, 0,
+        )  # fmt: skip
+        return out
 
 
 # name -> "module:Class", imported only when chosen (Triton never loads on a CPU install).

@@ -10,36 +10,24 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention import cpu_kernels
-from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.metadata import AttentionMetadata, VarlenBatch
-from pagedllm.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from pagedllm.attention.backend import AttentionBackend, VarlenKernelBackend
+from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(VarlenKernelBackend):
     name = "cpu"
+    kernel = staticmethod(cpu_kernels.varlen_attention)
 
     def __init__(self) -> None:
         self._kernel = cpu_kernels.load()
         self._torch = TorchAttentionBackend()  # without the kernel, or for inputs it rejects
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        window_left: int,
-    ) -> torch.Tensor:
-        if not (self._kernel and cpu_kernels.supports(query, key_cache)):
-            return self._torch.forward(
-                query, key, value, key_cache, value_cache, metadata, scale, window_left
-            )
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        batch = VarlenBatch.from_metadata(metadata)
-        out, _ = cpu_kernels.varlen_attention(
-            query, key_cache, value_cache, batch, scale, window_left, 0
-        )
-        return out
+    def delegate(self, query: torch.Tensor, key_cache: torch.Tensor) -> AttentionBackend | None:
+        if self._kernel and cpu_kernels.supports(query, key_cache):
+            return None
+        return self._torch
+
+    @property
+    def uses_kernel(self) -> bool:
+        """False when the C++ kernel could not be built: every call then takes the torch path."""
+        return self._kernel

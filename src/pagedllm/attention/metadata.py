@@ -2,64 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-
-@dataclass
-class AttentionMetadata:
-    """Layout of one step's tokens over the paged KV cache.
-
-    The batch is flat: sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1])
-    at positions [seq_lens[i] - query_len_i, seq_lens[i]); its keys are the first seq_lens[i]
-    slots named by block_tables[i] (the new tokens' K/V are written there first).
-    """
-
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cu_seqlens_q
-    seq_lens: torch.Tensor  # [num_seqs] int32, keys per sequence incl. this step's
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
-    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
-    query_lens_cpu: list[int]  # host copies, for per-sequence loops without a sync
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-
-class ForwardContext:
-    """The attention metadata of the forward pass in flight (the one global, by design)."""
-
-    _current: AttentionMetadata | None = None
-
-    def __init__(self, metadata: AttentionMetadata) -> None:
-        self.metadata = metadata
-
-    def __enter__(self) -> AttentionMetadata:
-        if ForwardContext._current is not None:
-            raise RuntimeError("forward contexts do not nest")
-        ForwardContext._current = self.metadata
-        return self.metadata
-
-    def __exit__(self, *exc: object) -> None:
-        ForwardContext._current = None
-
-    @staticmethod
-    def get() -> AttentionMetadata:
-        if ForwardContext._current is None:
-            raise RuntimeError("attention called outside a forward context")
-        return ForwardContext._current
 
 
 @dataclass
@@ -83,13 +32,108 @@ class VarlenBatch:
     def num_seqs(self) -> int:
         return int(self.seq_lens_k.shape[0])
 
+
+@dataclass
+class AttentionMetadata:
+    """One step's tokens over the paged KV cache: the paged varlen batch plus where to write.
+
+    The batch is flat: sequence i owns query tokens [cu_seqlens_q[i], cu_seqlens_q[i+1]) at
+    positions [seq_lens_k[i] - query_len_i, seq_lens_k[i]); its keys are the first
+    seq_lens_k[i] slots named by block_table[i] (the new tokens' K/V are written there first).
+    """
+
+    batch: VarlenBatch  # paged: block_table set ([num_seqs, max_blocks], padded with 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
+    query_lens_cpu: list[int]  # host copies, for per-sequence loops without a sync
+    seq_lens_cpu: list[int]
+
     @staticmethod
-    def from_metadata(metadata: AttentionMetadata) -> VarlenBatch:
-        return VarlenBatch(
-            cu_seqlens_q=metadata.query_start_loc,
-            seq_lens_k=metadata.seq_lens,
+    def paged(
+        query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32, keys per sequence incl. this step's
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+        slot_mapping: torch.Tensor,
+        query_lens_cpu: list[int],
+        seq_lens_cpu: list[int],
+    ) -> AttentionMetadata:
+        batch = VarlenBatch(
+            cu_seqlens_q=query_start_loc,
+            seq_lens_k=seq_lens,
             cu_seqlens_k=None,
-            block_table=metadata.block_tables,
-            max_seqlen_q=metadata.max_query_len,
-            max_seqlen_k=metadata.max_seq_len,
+            block_table=block_tables,
+            max_seqlen_q=max(query_lens_cpu),
+            max_seqlen_k=max(seq_lens_cpu),
         )
+        return AttentionMetadata(batch, slot_mapping, query_lens_cpu, seq_lens_cpu)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        assert self.batch.block_table is not None, "paged metadata has a block table"
+        return self.batch.block_table
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.batch.max_seqlen_q == 1
+
+    def slice(self, s0: int, s1: int, t0: int, t1: int) -> AttentionMetadata:
+        """Sequences [s0, s1), which own tokens [t0, t1) of the flat batch, rebased to 0."""
+        return AttentionMetadata.paged(
+            query_start_loc=self.batch.cu_seqlens_q[s0 : s1 + 1] - t0,
+            seq_lens=self.batch.seq_lens_k[s0:s1],
+            block_tables=self.block_table[s0:s1],
+            slot_mapping=self.slot_mapping[t0:t1],
+            query_lens_cpu=self.query_lens_cpu[s0:s1],
+            seq_lens_cpu=self.seq_lens_cpu[s0:s1],
+        )
+
+    def map_tensors(self, fn: Callable[[Any], Any]) -> AttentionMetadata:
+        """The same metadata with fn applied to every tensor (moving it between devices)."""
+        batch = dataclasses.replace(
+            self.batch,
+            **{
+                f.name: fn(getattr(self.batch, f.name))
+                for f in dataclasses.fields(VarlenBatch)
+                if getattr(self.batch, f.name) is not None
+                and not isinstance(getattr(self.batch, f.name), int)
+            },
+        )
+        return dataclasses.replace(self, batch=batch, slot_mapping=fn(self.slot_mapping))
+
+
+# The metadata of the forward pass in flight: one of the two pieces of global state. A
+# ContextVar, so that each thread (an engine's own loop) and each asyncio task sees its own.
+_CURRENT: ContextVar[AttentionMetadata | None] = ContextVar("attention_metadata", default=None)
+
+
+class ForwardContext:
+    """``with ForwardContext(metadata):`` makes metadata the current forward's; never nested."""
+
+    def __init__(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+        self._token: Token[AttentionMetadata | None] | None = None
+
+    def __enter__(self) -> AttentionMetadata:
+        if _CURRENT.get() is not None:
+            raise RuntimeError("forward contexts do not nest")
+        self._token = _CURRENT.set(self.metadata)
+        return self.metadata
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _CURRENT.reset(self._token)
+        self._token = None
+
+    @staticmethod
+    def get() -> AttentionMetadata:
+        metadata = _CURRENT.get()
+        if metadata is None:
+            raise RuntimeError("attention called outside a forward context")
+        return metadata

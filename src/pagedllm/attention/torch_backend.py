@@ -11,21 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, PagedAttentionCall
 from pagedllm.attention.metadata import AttentionMetadata
-
-
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store this step's K/V at their slots (slot = block_id * block_size + offset)."""
-    num_kv_heads, head_dim = key.shape[1:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def gather_kv(
@@ -95,41 +82,32 @@ def prefill_attention(
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        window_left: int,
-    ) -> torch.Tensor:
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    def attend(self, call: PagedAttentionCall, metadata: AttentionMetadata) -> torch.Tensor:
+        query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
+        scale, window_left, batch = call.scale, call.window_left, metadata.batch
         if metadata.is_decode_only:
             return decode_attention(
                 query,
                 key_cache,
                 value_cache,
-                metadata.block_tables,
-                metadata.seq_lens,
-                metadata.max_seq_len,
+                metadata.block_table,
+                batch.seq_lens_k,
+                batch.max_seqlen_k,
                 scale,
                 window_left,
             )
         out = torch.empty_like(query)
         decode_rows: list[int] = []
-        starts = metadata.query_start_loc.tolist()
+        starts = batch.cu_seqlens_q.tolist()
         for i, (n, length) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
             start = starts[i]
             if n == 1:
                 decode_rows.append(i)
                 continue
             if n == length:  # nothing cached: the new keys are the whole sequence
-                k, v = key[start : start + n], value[start : start + n]
+                k, v = call.key[start : start + n], call.value[start : start + n]
             else:
-                table = metadata.block_tables[i]
+                table = metadata.block_table[i]
                 k = gather_kv(key_cache, table, length)
                 v = gather_kv(value_cache, table, length)
             out[start : start + n] = prefill_attention(
@@ -137,14 +115,14 @@ class TorchAttentionBackend(AttentionBackend):
             )
         if decode_rows:
             rows = torch.tensor(decode_rows, device=query.device)
-            token_idx = metadata.query_start_loc[rows].long()
+            token_idx = batch.cu_seqlens_q[rows].long()
             max_len = max(metadata.seq_lens_cpu[i] for i in decode_rows)
             out[token_idx] = decode_attention(
                 query[token_idx],
                 key_cache,
                 value_cache,
-                metadata.block_tables[rows],
-                metadata.seq_lens[rows],
+                metadata.block_table[rows],
+                batch.seq_lens_k[rows],
                 max_len,
                 scale,
                 window_left,

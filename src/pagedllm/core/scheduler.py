@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the config module may import torch (device detection); core never does
+    from pagedllm.config import SchedulerConfig
 
 
 @dataclass
@@ -34,6 +37,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)  # in batch order
     num_batched_tokens: int = 0  # sum of num_new_tokens
     preempted: list[Sequence] = field(default_factory=list)  # preempted during this step
+    # Sequences finished since the last step the workers ran: they drop their state for them.
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -47,6 +52,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
+        self._finished_ids: list[int] = []  # for the next non-empty SchedulerOutput
+        self.num_prefill_chunks = 0  # cumulative: prompt pieces that stopped short of its end
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -82,6 +89,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.block_manager.free(seq)
+        self._finished_ids.append(seq.seq_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -95,6 +103,9 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if out.scheduled:  # an empty output is not run, so the ids wait for the next step
+            out.finished_seq_ids, self._finished_ids = self._finished_ids, []
+        self.num_prefill_chunks += sum(not s.samples for s in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -9,6 +9,9 @@ torchrun (RANK / WORLD_SIZE set) every process is one rank and torchrun's store 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,7 +20,28 @@ import torch.distributed as dist
 
 from pagedllm import envs
 from pagedllm.config import ParallelConfig
-from pagedllm.distributed.communicator import OverlapCommunicator
+from pagedllm.distributed.communicator import SINGLE, Communicator, OverlapCommunicator
+
+# The tensor-parallel group layers shard over while a model is being built (see
+# model_parallel). A ContextVar, so that two engines built in one process never see each
+# other's group; outside model_parallel it is the world of one, whose collectives are no-ops.
+_TP_GROUP: ContextVar[Communicator] = ContextVar("tensor_parallel_group", default=SINGLE)
+
+
+def get_tp_group() -> Communicator:
+    """The communicator a layer being built shards over and reduces across."""
+    return _TP_GROUP.get()
+
+
+@contextmanager
+def model_parallel(comm: Communicator) -> Iterator[Communicator]:
+    """Layers built inside this block shard over ``comm`` (the loader sets it)."""
+    token = _TP_GROUP.set(comm)
+    try:
+        yield comm
+    finally:
+        _TP_GROUP.reset(token)
+
 
 # Control messages wait for the next engine step, which may come after a long idle spell.
 _CONTROL_TIMEOUT = timedelta(days=365)

@@ -50,9 +50,9 @@ class LLMEngine:
         # request defaults from generation_config.json, as vLLM's --generation-config auto
         self.sampling_defaults = read_sampling_defaults(config.model.generation_config)
         self.executor = create_executor(config)
-        self.kv_cache = self.executor.initialize_cache()
+        self.kv_cache = self.executor.initialize_cache()  # the one record of the cache's layout
         self.block_manager = BlockManager(
-            self.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.kv_cache.num_blocks, self.kv_cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, RequestState] = {}
@@ -64,8 +64,8 @@ class LLMEngine:
             self.startup_seconds,
             self.executor.load_seconds,
             self.kv_cache.num_blocks,
-            config.cache.block_size,
-            self.kv_cache.num_blocks * config.cache.block_size,
+            self.kv_cache.block_size,
+            self.kv_cache.num_slots,
         )
 
     @classmethod
@@ -78,6 +78,13 @@ class LLMEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (as vLLM's)."""
         return SamplingParams(**self.sampling_defaults)
+
+    @property
+    def model(self) -> Any:
+        """The model (torch.nn.Module) in this process: rank 0's shard under tensor
+        parallelism, the first tier of a split. Changing it in place changes what the engine
+        runs, e.g. ``DynamicQuantConfig(...).apply(model=engine.model)`` quantizes it."""
+        return self.executor.local_runner.model
 
     @property
     def eos_token_id(self) -> int | None:
@@ -142,7 +149,7 @@ class LLMEngine:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab}).")
-        limit = self.config.model.max_model_len
+        limit = self.config.scheduler.max_model_len
         if len(ids) > limit:
             raise ValueError(
                 f"prompt is {len(ids)} tokens long, more than max_model_len ({limit})."
@@ -179,7 +186,6 @@ class LLMEngine:
                 continue
             for s in state.seqs:
                 self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
-            self.executor.release([s.seq.seq_id for s in state.seqs])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -290,7 +296,6 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.is_finished:
             t.finished = now
-            self.executor.release([seq.seq_id])
 
     def _fail_running(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
         """The executor lost the KV state of every running sequence: end their requests with
@@ -313,7 +318,6 @@ class LLMEngine:
             state.error = message
             for s in state.seqs:
                 self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ERROR)
-            self.executor.release([s.seq.seq_id for s in state.seqs])
             results.append(state.to_output())
             self._on_finished(state, now, iteration)
         self._record(iteration)

@@ -70,7 +70,12 @@ class RequestState:
         for seq in seqs:
             detok = None
             if tokenizer is not None and params.detokenize:
-                detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(
+                    tokenizer,
+                    prompt_ids,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                )
             want_lp = params.logprobs is not None
             states.append(
                 SequenceOutputState(seq, detok, [] if want_lp else None, 0.0 if want_lp else None)

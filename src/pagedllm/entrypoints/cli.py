@@ -34,7 +34,8 @@ _ENGINE_FLAG_HELP = {
     "max_model_len": "longest prompt + output, in tokens (default: the model's)",
     "block_size": "tokens per KV-cache block",
     "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step",
+    "max_num_batched_tokens": "most tokens computed in one step (below max_num_seqs, also the "
+    "most sequences in one batch)",
     "gpu_memory_utilization": "share of GPU memory to use (CUDA)",
     "kv_cache_memory_bytes": "KV-cache budget in bytes (CPU default: 4 GiB, at most 40%% of "
     "free RAM)",

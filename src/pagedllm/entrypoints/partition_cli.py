@@ -12,7 +12,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
 
 if TYPE_CHECKING:
-    from pagedllm.partition.profiler import LinkProfile
+    from pagedllm.partition.profiles import LinkProfile
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9}
 
@@ -25,7 +25,7 @@ def parse_bytes(text: str) -> int:
 
 
 def _link(text: str) -> LinkProfile:
-    from pagedllm.partition.profiler import LinkProfile
+    from pagedllm.partition.profiles import LinkProfile
 
     try:
         return LinkProfile.parse(text)
@@ -169,7 +169,7 @@ def run_cloud_worker(
     args = dataclasses.replace(args, partition_role="cloud")
     worker = CloudWorker(args.create_engine_config())
     server = worker.serve(emulate)
-    start, end = worker.partition.cut, worker.runner.config.model.num_layers
+    start, end = worker.tier.layers
     print(
         f"split worker (layers [{start}, {end}) + head) listening on {server.address}", flush=True
     )

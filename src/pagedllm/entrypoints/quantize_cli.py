@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.config import QUANT_METHOD, EngineArgs, QuantConfig, load_hf_config
+from pagedllm.config import (
+    QUANT_METHOD,
+    EngineArgs,
+    QuantConfig,
+    architecture_of,
+    load_hf_config,
+)
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
 
 
@@ -35,9 +41,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, config: QuantConfig) -
 
     src, dst = Path(src), Path(dst)
     hf_config = load_hf_config(str(src))
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     with torch.device("meta"):  # the module structure only, to name and select the layers
-        model = get_model_class(archs[0])(hf_config, torch.float32)
+        model = get_model_class(architecture_of(hf_config))(hf_config, torch.float32)
     targets = DynamicQuantConfig.from_config(config).targets(model)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -114,8 +119,8 @@ def score_text(args: EngineArgs, windows: list[list[int]]) -> TextScores:
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
     prompts = [{"prompt_token_ids": w} for w in windows]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    runner = getattr(llm.llm_engine.executor, "runner", None)
-    scores = TextScores([], [], [], None if runner is None else weight_bytes(runner.model))
+    runner = llm.llm_engine.executor.local_runner
+    scores = TextScores([], [], [], weight_bytes(runner.model))
     for out, window in zip(outputs, windows):
         assert out.prompt_logprobs is not None
         for pos in range(1, len(window)):

@@ -1,4 +1,9 @@
-"""Vocabulary-parallel token embedding and LM head."""
+"""Vocabulary-parallel token embedding and LM head.
+
+Each rank holds a contiguous slice of the vocabulary (padded to divide evenly). The slicing,
+masking and collectives are written here once; a quantized layer replaces only how its rows
+are read (``lookup``) or multiplied (``local_logits``).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.communicator import SINGLE, Communicator
+from pagedllm.distributed.communicator import Communicator
+from pagedllm.distributed.parallel_state import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary (padded to divide evenly)."""
-
     def __init__(
-        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, comm: Communicator = SINGLE
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        comm: Communicator | None = None,
     ) -> None:
         super().__init__()
-        self.comm = comm
+        self.comm = comm = comm or get_tp_group()
         self.vocab_size = vocab_size
         self.rows = -(-vocab_size // comm.world_size)
-        self.start = comm.rank * self.rows
+        self.start = comm.rank * self.rows  # this rank holds rows [start, start + rows)
         self.weight = nn.Parameter(
             torch.empty(self.rows, hidden_size, dtype=dtype), requires_grad=False
         )
@@ -30,12 +38,16 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: part.shape[0]].copy_(part)
         param.data[part.shape[0] :].zero_()
 
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's slice: [n] local ids -> [n, hidden]."""
+        return F.embedding(local_ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0)
         return self.comm.all_reduce(out)
 
@@ -43,7 +55,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary slice of each rank, gathered into the full vocabulary."""
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, rows]
+        return F.linear(hidden, self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        logits = F.linear(hidden, self.weight)
-        logits = self.comm.all_gather(logits, dim=-1)
+        logits = self.comm.all_gather(self.local_logits(hidden), dim=-1)
         return logits[:, : self.vocab_size]

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.communicator import SINGLE, Communicator
+from pagedllm.distributed.communicator import Communicator
+from pagedllm.distributed.parallel_state import get_tp_group
 
 
 def _param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:  # noqa: ANN001
@@ -50,8 +51,9 @@ class ReplicatedLinear(LinearBase):
         out_features: int,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        comm: Communicator = SINGLE,
+        comm: Communicator | None = None,
     ) -> None:
+        comm = comm or get_tp_group()
         super().__init__(in_features, out_features, bias, dtype, comm)
 
 
@@ -64,8 +66,9 @@ class ColumnParallelLinear(LinearBase):
         out_features: int,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        comm: Communicator = SINGLE,
+        comm: Communicator | None = None,
     ) -> None:
+        comm = comm or get_tp_group()
         super().__init__(
             in_features, comm.shard(out_features, "output features"), bias, dtype, comm
         )
@@ -84,8 +87,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: list[int],
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        comm: Communicator = SINGLE,
+        comm: Communicator | None = None,
     ) -> None:
+        comm = comm or get_tp_group()
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, dtype, comm)
 
@@ -111,8 +115,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        comm: Communicator = SINGLE,
+        comm: Communicator | None = None,
     ) -> None:
+        comm = comm or get_tp_group()
         world = comm.world_size
         self.head_dim = head_dim
         self.num_heads = comm.shard(num_heads, "num_attention_heads")
@@ -153,8 +158,9 @@ class RowParallelLinear(LinearBase):
         out_features: int,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        comm: Communicator = SINGLE,
+        comm: Communicator | None = None,
     ) -> None:
+        comm = comm or get_tp_group()
         super().__init__(comm.shard(in_features, "input features"), out_features, bias, dtype, comm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

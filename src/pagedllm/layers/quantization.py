@@ -8,10 +8,13 @@ excludes gets
   ``w ~= weight * weight_scale[:, None]``. Per-tensor scales are stored per row too (all equal),
   so scales shard exactly like the rows under tensor parallelism. Both parameters keep the
   layer's ``weight_loader``: a saved int8 checkpoint loads, sharded, through the usual path.
-* a kernel that replaces the layer's ``matmul`` (linear layers) or ``forward`` (LM head,
-  embedding). With activations enabled, each token's row is scaled by its own absolute maximum
-  (the observer), rounded to int8, multiplied in int8 with int32 accumulation, and rescaled by
-  ``token_scale x weight_scale``. Without, the int8 weight is dequantized inside the matmul.
+* its int8 layer class (``Int8ColumnParallelLinear`` ...), which keeps the float layer's
+  sharding and collectives and replaces only the product: ``matmul`` of a linear layer and
+  ``local_logits`` of the LM head run the layer's int8 kernel, ``lookup`` of the embedding
+  dequantizes the rows it reads. With activations enabled, each token's row is scaled by its
+  own absolute maximum (the observer), rounded to int8, multiplied in int8 with int32
+  accumulation, and rescaled by ``token_scale x weight_scale``. Without, the int8 weight is
+  dequantized inside the matmul.
 
 Quantization works on each rank's local shard after loading, so it composes with tensor
 parallelism: column-parallel layers get exactly their rows' scales; row-parallel layers scale
@@ -33,13 +36,29 @@ from torch import nn
 
 from pagedllm.config import QuantConfig
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
 logger = logging.getLogger(__name__)
 
 QMAX = 127  # symmetric int8: [-127, 127], so that -x quantizes to -q
 _TINY = torch.finfo(torch.float32).tiny
-QUANTIZABLE = (LinearBase, VocabParallelEmbedding)  # ParallelLMHead is a VocabParallelEmbedding
+
+
+def quantize_symmetric(
+    x: torch.Tensor, absmax: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of x [rows, cols] by each row's range absmax [rows, 1]: the
+    integers (still floating point) in [-levels, levels] and the step [rows, 1] they are
+    multiplied by. An all-zero row gets the smallest step and quantizes to zeros."""
+    step = (absmax / levels).clamp_min(_TINY)
+    return (x / step).round_().clamp_(-levels, levels), step
 
 
 def quantize_weight(
@@ -47,12 +66,11 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of a [rows, cols] weight: (q int8 [rows, cols], scale fp32 [rows])."""
     w = weight.float()
-    absmax = w.abs().amax(dim=1)
+    absmax = w.abs().amax(dim=1, keepdim=True)
     if granularity == "per_tensor":
         absmax = absmax.amax().expand_as(absmax)
-    scale = (absmax / QMAX).clamp_min(_TINY)  # an all-zero row quantizes to zeros
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale.contiguous()
+    q, scale = quantize_symmetric(w, absmax, QMAX)
+    return q.to(torch.int8), scale[:, 0].contiguous()
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -111,8 +129,7 @@ class Int8Kernel:
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token int8 (as float, rounded and clamped) and each token's scale [M, 1]."""
         assert self.observer is not None
-        step = self.observer(x).clamp_min(_TINY) / self.levels
-        return (x / step).round_().clamp_(-self.levels, self.levels), step
+        return quantize_symmetric(x, self.observer(x), self.levels)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -218,27 +235,77 @@ def _kernel_for(module: nn.Module, requested: str | None, enable_activation: boo
     return name
 
 
-# ---- forwards of the quantized LM head and embedding -----------------------------------------
-def _lm_head_forward(
-    head: ParallelLMHead, kernel: Int8Kernel, hidden: torch.Tensor
-) -> torch.Tensor:
-    logits = kernel(hidden, None)  # [n, local vocab rows]
-    return head.comm.all_gather(logits, dim=-1)[:, : head.vocab_size]
+# ---- int8 layer classes: the float layer's sharding and collectives, an int8 product -------
+class _Int8Matmul:
+    """The one method an int8 linear layer replaces: x W^T + bias through its int8 kernel.
+    Listed first in each int8 class's bases, so the float layer's forward (and the
+    row-parallel reduction) runs around it unchanged."""
+
+    quant_kernel: Int8Kernel
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.quant_kernel(x, bias)
 
 
-def _embedding_rows(emb: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
-    rows = F.embedding(ids, emb.weight).float() * emb.weight_scale[ids, None]
-    return rows.to(emb.dequant_dtype)
+class Int8ReplicatedLinear(_Int8Matmul, ReplicatedLinear):
+    pass
 
 
-def _embedding_forward(emb: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
-    if emb.comm.world_size == 1:
-        return _embedding_rows(emb, input_ids)
-    local = input_ids - emb.start  # this rank holds vocabulary rows [start, start + rows)
-    outside = (local < 0) | (local >= emb.rows)
-    out = _embedding_rows(emb, local.masked_fill(outside, 0))
-    out.masked_fill_(outside[:, None], 0)
-    return emb.comm.all_reduce(out)
+class Int8ColumnParallelLinear(_Int8Matmul, ColumnParallelLinear):
+    pass
+
+
+class Int8MergedColumnParallelLinear(_Int8Matmul, MergedColumnParallelLinear):
+    pass
+
+
+class Int8QKVParallelLinear(_Int8Matmul, QKVParallelLinear):
+    pass
+
+
+class Int8RowParallelLinear(_Int8Matmul, RowParallelLinear):
+    pass
+
+
+class Int8ParallelLMHead(ParallelLMHead):
+    quant_kernel: Int8Kernel
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.quant_kernel(hidden, None)  # [n, local vocab rows]
+
+
+class Int8VocabParallelEmbedding(VocabParallelEmbedding):
+    """Rows are dequantized as they are looked up (an embedding has no matmul)."""
+
+    quant_kernel: None
+    dequant_dtype: torch.dtype  # the dtype the float layer's outputs had
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(local_ids, self.weight).float() * self.weight_scale[local_ids, None]
+        return rows.to(self.dequant_dtype)
+
+
+INT8_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    ReplicatedLinear: Int8ReplicatedLinear,
+    ColumnParallelLinear: Int8ColumnParallelLinear,
+    MergedColumnParallelLinear: Int8MergedColumnParallelLinear,
+    QKVParallelLinear: Int8QKVParallelLinear,
+    RowParallelLinear: Int8RowParallelLinear,
+    ParallelLMHead: Int8ParallelLMHead,
+    VocabParallelEmbedding: Int8VocabParallelEmbedding,
+}
+QUANTIZABLE = tuple(INT8_CLASSES)
+
+
+def _to_int8_class(module: nn.Module, kernel: Int8Kernel | None) -> None:
+    """Turn a float layer whose weight is int8 now into its int8 class, in place (parameters,
+    weight loaders and ties stay as they are)."""
+    module.__class__ = INT8_CLASSES[type(module)]
+    module.quant_kernel = kernel
+    if isinstance(kernel, OneDNNKernel):
+        # The prepacked copy replaces the plain int8 weight; an empty one keeps the name.
+        module.register_buffer("weight_packed", kernel.packed, persistent=False)
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 # ---- the config and its passes ---------------------------------------------------------------
@@ -351,18 +418,7 @@ class DynamicQuantConfig(QuantConfig):
                 name = _kernel_for(module, self.kernel, self.enable_activation)
                 observer = OBSERVERS[self.observer_type](module.weight.device)
                 kernel = KERNELS[name](module, observer if self.enable_activation else None)
-                if isinstance(kernel, OneDNNKernel):  # the packed copy replaces the int8 one
-                    del module.weight
-                    module.register_buffer("weight_packed", kernel.packed, persistent=False)
-            # Instance attributes shadow the class's methods: forward() and RowParallelLinear's
-            # reduction keep running, around the int8 product.
-            if isinstance(module, LinearBase):
-                module.matmul = kernel
-            elif kernel is not None:
-                module.forward = functools.partial(_lm_head_forward, module, kernel)
-            else:
-                module.forward = functools.partial(_embedding_forward, module)
-            module.quant_kernel = kernel
+            _to_int8_class(module, kernel)
 
 
 def weight_bytes(model: nn.Module) -> int:

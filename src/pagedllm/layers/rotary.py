@@ -51,12 +51,26 @@ class RotaryEmbedding(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
+        self.head_dim, self.max_position, self.theta, self.scaling = (
+            head_dim,
+            max_position,
+            theta,
+            scaling,
+        )
+        self.register_buffer("cos", torch.empty(0, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(0, dtype=dtype), persistent=False)
+        self.reset_buffers(dtype)
+
+    def reset_buffers(self, dtype: torch.dtype | None = None) -> None:
+        """Compute the cos / sin tables where the module lives (again after the loader moves a
+        model built on the meta device)."""
+        dtype = dtype or self.cos.dtype
+        inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:

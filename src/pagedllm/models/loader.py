@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.communicator import SINGLE, Communicator
+from pagedllm.distributed.parallel_state import model_parallel
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,76 @@ class MissingLayer(nn.Module):
 
     def forward(self, *args: object) -> torch.Tensor:
         raise RuntimeError("this module belongs to another partition tier")
+
+
+class PassThroughLayer(MissingLayer):
+    """A decoder layer of another tier: (hidden, residual) go through unchanged."""
+
+    def forward(  # type: ignore[override]
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return hidden, residual
+
+
+class ResidualStreamOut(MissingLayer):
+    """The final norm of a tier that does not end the model: it hands the residual stream on.
+    The next tier starts with residual None, which its first input_layernorm treats exactly
+    as this hidden + residual."""
+
+    def forward(  # type: ignore[override]
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None]:
+        return (hidden if residual is None else hidden + residual), None
+
+
+def keep_layers(model: nn.Module, layer_range: tuple[int, int]) -> None:
+    """Cut a model of pagedllm's layout (model.embed_tokens / layers / norm, lm_head) down to
+    decoder layers [start, end): the embedding stays only on the tier that starts at 0, the
+    norm and LM head only on the tier that ends at the last layer. Absent layers keep their
+    index, so parameter names still match the checkpoint's."""
+    inner, (start, end) = model.model, layer_range
+    first, last = start == 0, end == len(inner.layers)
+    for i in range(len(inner.layers)):
+        if not start <= i < end:
+            inner.layers[i] = PassThroughLayer()
+    if not last:
+        inner.norm = ResidualStreamOut()
+        model.lm_head = MissingLayer()
+    if not first:
+        inner.embed_tokens = MissingLayer()
+        if getattr(model, "tie_word_embeddings", False) and last:
+            # A last tier without the embedding loads the tied matrix as its own head.
+            model.tie_word_embeddings = False
+            model.weight_aliases = {"model.embed_tokens.weight": "lm_head.weight"}
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give a model built on the meta device uninitialised storage on ``device``. Each
+    parameter keeps its identity (ties between modules) and attributes (weight_loader);
+    buffers are recomputed by their modules' reset_buffers()."""
+    for param in model.parameters():  # a shared parameter once
+        attrs = dict(param.__dict__)
+        real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+        torch.utils.swap_tensors(param, real)
+        param.__dict__.update(attrs)
+    with torch.device(device):
+        for module in model.modules():
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+
+
+def build_model(
+    config: ModelConfig, device: torch.device, comm: Communicator = SINGLE
+) -> nn.Module:
+    """The model, uninitialised, sharded over comm; only layer_range's layers when it is set
+    (built on the meta device first, so that another tier's layers never take memory)."""
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"), model_parallel(comm):
+        model = cls(config.hf_config, DTYPES[config.dtype])
+    if config.layer_range is not None:
+        keep_layers(model, config.layer_range)
+    materialize(model, device)
+    return model
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -93,12 +164,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
 
 
 def load_model(config: ModelConfig, device: torch.device, comm: Communicator = SINGLE) -> nn.Module:
-    cls = get_model_class(config.architecture)
-    dtype = DTYPES[config.dtype]
-    # layer_range (a partition tier) is passed only when set, so other models need not know it
-    extra = {} if config.layer_range is None else {"layer_range": config.layer_range}
-    with torch.device(device):
-        model = cls(config.hf_config, dtype, comm, **extra)
+    model = build_model(config, device, comm)
     quant = None
     if config.quant_config is not None:
         from pagedllm.layers.quantization import DynamicQuantConfig

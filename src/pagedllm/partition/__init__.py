@@ -1,8 +1,28 @@
-"""Edge/cloud split inference: device profiles, the model's cost graph, the partitioner
-that chooses the cut(s), and the runtime that runs a plan across processes."""
+"""Edge/cloud split inference, an optional plugin: device profiles, the model's cost graph,
+the partitioner that chooses the cut(s), and the runtime that runs a plan across processes.
 
-from pagedllm.partition.partitioner import GraphPartitioner
-from pagedllm.partition.plan import PartitionPlan
-from pagedllm.partition.profiler import DeviceProfile, LayerTimings, LinkProfile
+Nothing below the entrypoints imports this package; the engine reaches the runtime only
+through the executor registry (pagedllm.worker.executor, name "split"). The names below are
+imported on first use, so ``import pagedllm.partition`` loads neither torch nor the model.
+"""
 
-__all__ = ["DeviceProfile", "GraphPartitioner", "LayerTimings", "LinkProfile", "PartitionPlan"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "DeviceProfile": "pagedllm.partition.profiles",
+    "LayerTimings": "pagedllm.partition.profiles",
+    "LinkProfile": "pagedllm.partition.profiles",
+    "GraphPartitioner": "pagedllm.partition.partitioner",
+    "PartitionPlan": "pagedllm.partition.plan",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

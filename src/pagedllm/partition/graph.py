@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.partition.profiler import LayerTimings
+from pagedllm.config import head_dim, kv_bytes_per_token
+from pagedllm.partition.profiles import LayerTimings
 
 OPS_PER_MODULE = 3  # kernels a leaf module launches, roughly: the floor of a layer's time
 
@@ -80,8 +81,6 @@ def _num_ops(module: nn.Module) -> int:
 def build_model_graph(model: nn.Module, hf_config: Any, dtype: str, name: str) -> ModelGraph:
     """The cost graph of a Llama-family model (pagedllm's module layout), loaded or on meta."""
     c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    num_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     elem = torch.empty(0, dtype=_torch_dtype(dtype)).element_size()
     inner = model.model
     embed_bytes, _ = _state_bytes(inner.embed_tokens)
@@ -97,8 +96,8 @@ def build_model_graph(model: nn.Module, hf_config: Any, dtype: str, name: str) -
                 streamed_bytes=weight,
                 flops_per_token=2.0 * matmul,
                 flops_per_sample=0.0,
-                attn_flops_per_pair=4.0 * c.num_attention_heads * head_dim,  # QK^T and PV
-                kv_bytes_per_token=2 * num_kv * head_dim * elem,
+                attn_flops_per_pair=4.0 * c.num_attention_heads * head_dim(c),  # QK^T and PV
+                kv_bytes_per_token=kv_bytes_per_token(c, elem, layers=1),
                 read_bytes_per_token=0,
                 num_ops=_num_ops(layer),
             )
@@ -124,11 +123,11 @@ def build_model_graph(model: nn.Module, hf_config: Any, dtype: str, name: str) -
 
 def graph_from_config(hf_config: Any, dtype: str, name: str) -> ModelGraph:
     """The cost graph without loading weights: the model is built on the meta device."""
+    from pagedllm.config import architecture_of
     from pagedllm.models.registry import get_model_class
 
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     with torch.device("meta"):
-        model = get_model_class(archs[0])(hf_config, _torch_dtype(dtype))
+        model = get_model_class(architecture_of(hf_config))(hf_config, _torch_dtype(dtype))
     return build_model_graph(model, hf_config, dtype, name)
 
 

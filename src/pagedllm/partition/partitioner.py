@@ -34,7 +34,7 @@ from pagedllm.partition.plan import (
     TierEstimate,
     wire_bytes_per_token,
 )
-from pagedllm.partition.profiler import DeviceProfile, LinkProfile
+from pagedllm.partition.profiles import DeviceProfile, LinkProfile
 
 STRATEGIES = ("latency_aware", "throughput_aware")
 CONSTRAINTS = ("max_edge_latency", "min_cloud_throughput", "max_edge_memory")
@@ -130,6 +130,9 @@ class CostModel:
         return estimate, transfer
 
 
+DEFAULT_LINK = LinkProfile(bandwidth_mbps=100.0, rtt_ms=20.0)
+
+
 class GraphPartitioner:
     def __init__(
         self,
@@ -164,12 +167,14 @@ class GraphPartitioner:
         self,
         model_graph: ModelGraph,
         device_profiles: Sequence[DeviceProfile] | Mapping[str, DeviceProfile],
-        link: LinkProfile | Sequence[LinkProfile],
+        link: LinkProfile | Sequence[LinkProfile] | None = None,
         *,
         cuts: Sequence[int] | None = None,
     ) -> PartitionPlan:
         """Cost every placement on the chain of devices (first = edge, last = cloud) and
-        choose one; with cuts, cost and report that placement only."""
+        choose one; with cuts, cost and report that placement only. Without a link, every
+        hop is taken as DEFAULT_LINK (a typical edge uplink)."""
+        link = DEFAULT_LINK if link is None else link
         devices = list(
             device_profiles.values() if isinstance(device_profiles, Mapping) else device_profiles
         )

@@ -1,9 +1,9 @@
 """A partition plan: where the model is cut, what each tier and link is predicted to cost.
 
-Torch-free, so that reading a plan (the engine config does, to know its layer range) never
-loads the model stack. ``cuts`` name decoder-layer indices: with cuts (k1, k2) the first tier
-runs the embedding and layers [0, k1), the second [k1, k2), the last [k2, L), the final
-norm and the LM head. Hidden states cross each link once per step.
+Torch-free, so that reading a plan (the split executor and the cloud worker do, to know
+their layer range) never loads the model stack. ``cuts`` name decoder-layer indices: with
+cuts (k1, k2) the first tier runs the embedding and layers [0, k1), the second [k1, k2),
+the last [k2, L), the final norm and the LM head. Hidden states cross each link once per step.
 """
 
 from __future__ import annotations
@@ -171,6 +171,33 @@ class PartitionPlan:
         if not self.feasible:
             lines += ["", f"no plan meets the constraints: {self.message}"]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TierSetting:
+    """What one process of a two-tier split runs, read from its plan."""
+
+    role: str  # "edge" | "cloud"
+    cut: int  # the first layer the cloud runs
+    layers: tuple[int, int]  # this tier's decoder layers [start, end)
+    wire_dtype: str  # hidden states on the wire
+
+
+def load_tier(plan_path: str, role: str, num_layers: int) -> TierSetting:
+    """The tier `role` of the two-tier plan at plan_path, checked against the model."""
+    plan = PartitionPlan.load(plan_path)
+    if len(plan.cuts) != 1 or not 0 < plan.cuts[0] < num_layers:
+        raise ValueError(
+            f"partition plan {plan_path!r} has cuts {list(plan.cuts)}; the runtime runs "
+            f"two tiers, one cut in [1, {num_layers - 1}]."
+        )
+    if plan.num_layers != num_layers:
+        raise ValueError(
+            f"partition plan {plan_path!r} is for {plan.num_layers} layers, the model "
+            f"has {num_layers}."
+        )
+    layers = plan.layer_range(0 if role == "edge" else -1)
+    return TierSetting(role, plan.cuts[0], layers, plan.wire_dtype)
 
 
 def _cut_from_dict(data: dict[str, Any]) -> CutEstimate:

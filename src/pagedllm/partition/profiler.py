@@ -1,4 +1,4 @@
-"""Device and link profiles, measured by short probes or written by hand, and measured
+"""Measuring the profiles of pagedllm.partition.profiles: a device by short probes, and
 per-layer timings of a model on this machine (which refine the roofline estimates).
 
 ``profile_device`` times large matmuls (compute throughput per dtype), a large copy
@@ -9,105 +9,21 @@ with forward hooks, plus the parts of a step outside the model (schedule, prepar
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.partition.profiles import DeviceProfile, LayerTimings, LinkProfile
 
-@dataclass(frozen=True)
-class DeviceProfile:
-    name: str
-    flops: dict[str, float]  # dtype name -> FLOP/s of a large matmul
-    mem_bandwidth: float  # bytes/s of a streaming copy
-    mem_capacity: int  # bytes the tier may use
-    op_overhead_s: float = 0.0  # dispatch cost of one small op (a layer's time floor)
-    threads: int | None = None  # torch threads the probes ran with
-
-    def flops_for(self, dtype: str) -> float:
-        if dtype in self.flops:
-            return self.flops[dtype]
-        return self.flops.get("float32") or max(self.flops.values())
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> DeviceProfile:
-        try:
-            return cls(**json.loads(Path(path).read_text()))
-        except (OSError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read device profile {str(path)!r}: {e}") from e
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    bandwidth_mbps: float  # megabits per second, each direction
-    rtt_ms: float  # round-trip latency
-    overhead_ms: float = 0.0  # software cost of one exchange (encode, RPC, decode)
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth_mbps * 1e6 / 8
-
-    def transfer_s(self, num_bytes: float) -> float:
-        return num_bytes / self.bytes_per_s
-
-    @classmethod
-    def parse(cls, text: str) -> LinkProfile:
-        """A JSON file, or "100mbit,20ms[,0.5ms]" (bandwidth, RTT, optional overhead)."""
-        if Path(text).is_file():
-            try:
-                return cls(**json.loads(Path(text).read_text()))
-            except (TypeError, json.JSONDecodeError) as e:
-                raise ValueError(f"cannot read link profile {text!r}: {e}") from e
-        rates = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}
-        times = {"us": 1e-3, "ms": 1.0, "s": 1e3}
-        bandwidth, delays = None, []
-        for part in text.lower().replace("/s", "").split(","):
-            m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]+)\s*", part)
-            if m and m.group(2) in rates:
-                bandwidth = float(m.group(1)) * rates[m.group(2)]
-            elif m and m.group(2) in times:
-                delays.append(float(m.group(1)) * times[m.group(2)])
-            else:
-                raise ValueError(f"cannot read link part {part!r} (e.g. 100mbit,20ms).")
-        if bandwidth is None or not delays or len(delays) > 2:
-            raise ValueError(
-                f"a link is 'BANDWIDTH,RTT[,OVERHEAD]', e.g. 100mbit,20ms; got {text!r}."
-            )
-        return cls(bandwidth, delays[0], delays[1] if len(delays) > 1 else 0.0)
-
-
-@dataclass(frozen=True)
-class LayerTimings:
-    """Measured seconds per graph node (embed, layer.0 .., head) on one device."""
-
-    device: str  # the DeviceProfile name these apply to
-    batch_size: int
-    context_len: int
-    prompt_len: int
-    decode_s: tuple[float, ...]  # per node, one decode step of batch_size sequences
-    prefill_s: tuple[float, ...]  # per node, one prompt of prompt_len tokens
-    engine_s: float  # per decode step: the engine around the runner (first tier only)
-    prepare_s: float  # per decode step: building the batch tensors (every tier)
-    sample_s: float  # per decode step: sampling after the logits (the last tier)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LayerTimings:
-        data = {**data, "decode_s": tuple(data["decode_s"]), "prefill_s": tuple(data["prefill_s"])}
-        return cls(**data)
-
-    @classmethod
-    def load(cls, path: str | Path) -> LayerTimings:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+__all__ = [
+    "DeviceProfile",
+    "LayerTimings",
+    "LinkProfile",
+    "measure_layer_timings",
+    "profile_device",
+]
 
 
 # ---- probes --------------------------------------------------------------------------------
@@ -200,7 +116,7 @@ class _StepTimes:
 
 def _timed_step(engine: Any, timer: _NodeTimer, sync: Any) -> _StepTimes:
     """One engine step, driven piece by piece so that each piece can be timed."""
-    runner = engine.executor.runner
+    runner = engine.executor.local_runner
     out = engine.scheduler.schedule()
     t1 = time.perf_counter()
     inp = runner.prepare_input(out)
@@ -211,6 +127,7 @@ def _timed_step(engine: Any, timer: _NodeTimer, sync: Any) -> _StepTimes:
     sync()
     t3 = time.perf_counter()
     in_forward = list(timer.totals)
+    runner.release(out.finished_seq_ids)
     model_out = runner.compute_output(inp, hidden)
     t4 = time.perf_counter()
     engine.scheduler.update(out, model_out.sampled)
@@ -236,11 +153,12 @@ def _profiling_engine(engine_args: Any, batch: int, context: int, prompt: int, s
     """An engine sized for the measurement: no prefix caching, a small KV cache."""
     import dataclasses
 
+    from pagedllm.config import kv_bytes_per_token
     from pagedllm.engine.llm_engine import LLMEngine
 
     m = engine_args.create_engine_config().model
     tokens = batch * (context + 2 * steps + 4) + prompt
-    per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+    per_token = kv_bytes_per_token(m.hf_config, elem_bytes=4)  # float32: an upper bound
     args = dataclasses.replace(
         engine_args,
         enable_prefix_caching=False,
@@ -336,8 +254,8 @@ def _measure(
     import torch
 
     engine = _profiling_engine(engine_args, batch_size, context_len, prompt_len, steps)
-    model = engine.executor.runner.model
-    dev = engine.executor.runner.device
+    runner = engine.executor.local_runner
+    model, dev = runner.model, runner.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     nodes = [[model.model.embed_tokens], *[[x] for x in model.model.layers]]
     timer = _NodeTimer([*nodes, [model.model.norm, model.lm_head]], sync)

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, PartitionConfig
+from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.outputs import Logprob, TokenLogprobs
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
-from pagedllm.partition.profiler import LinkProfile
+from pagedllm.partition.plan import TierSetting, load_tier
+from pagedllm.partition.profiles import LinkProfile
 from pagedllm.partition.transport import (
     PeerLostError,
     RemoteError,
@@ -35,7 +37,7 @@ from pagedllm.partition.transport import (
 )
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.executor import Executor, ExecutorLostError
-from pagedllm.worker.model_runner import KVCacheSpec, ModelOutput, ModelRunner
+from pagedllm.worker.model_runner import ModelOutput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,17 @@ def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
 
 
+def tier_runner(
+    config: EngineConfig, role: str
+) -> tuple[PartitionConfig, TierSetting, ModelRunner]:
+    """Read this process's tier from the plan and build a model runner for its layers."""
+    partition = config.partition
+    assert partition is not None and partition.role == role
+    tier = load_tier(partition.plan, role, config.model.num_layers)
+    model = dataclasses.replace(config.model, layer_range=tier.layers)
+    return partition, tier, ModelRunner(model, config.cache, config.scheduler, config.device)
+
+
 # ---- the edge ------------------------------------------------------------------------------
 class SplitExecutor(Executor):
     """Runs the first tier here and the rest on a cloud worker, one exchange per step."""
@@ -110,12 +123,10 @@ class SplitExecutor(Executor):
         assert config.partition is not None and config.partition.address is not None, (
             "an edge needs partition_address: the cloud worker's host:port"
         )
-        self.partition = config.partition
-        self.runner = ModelRunner(config)
+        self.partition, self.tier, self.runner = tier_runner(config, "edge")
         self.client: TierClient | None = None
         self.num_blocks = 0
         self._synced: dict[int, int] = {}  # seq_id -> tokens of it the cloud holds
-        self._released: list[int] = []  # finished seq ids to tell the cloud on the next step
 
     def _hello(self, num_blocks: int, connect_timeout_s: float) -> int:
         """Open a session: the cloud sizes its cache to at most num_blocks; returns its count."""
@@ -124,10 +135,10 @@ class SplitExecutor(Executor):
         reply, _ = self.client.exchange(
             {
                 "kind": "hello",
-                "cut": self.partition.cut,
+                "cut": self.tier.cut,
                 "block_size": self.runner.block_size,
                 "num_blocks": num_blocks,
-                "hidden_size": self.runner.config.model.hf_config.hidden_size,
+                "hidden_size": self.runner.model_config.hf_config.hidden_size,
             },
             {},
         )
@@ -143,7 +154,7 @@ class SplitExecutor(Executor):
         self.runner.allocate_kv_cache(self.num_blocks)
         logger.info(
             "edge tier: layers [0, %d), %d KV blocks shared with the cloud worker at %s",
-            self.partition.cut,
+            self.tier.cut,
             self.num_blocks,
             self.partition.address,
         )
@@ -198,10 +209,10 @@ class SplitExecutor(Executor):
         if self.client is None:
             self._reconnect()
         assert self.client is not None
+        released = [sid for sid in out.finished_seq_ids if self._synced.pop(sid, None) is not None]
         inp = self.runner.prepare_input(out)
-        tensors = encode_hidden(self.runner.forward(inp), self.partition.wire_dtype)
-        meta = {"kind": "step", "seqs": self._layout(out), "release": self._released}
-        self._released = []
+        tensors = encode_hidden(self.runner.forward(inp), self.tier.wire_dtype)
+        meta = {"kind": "step", "seqs": self._layout(out), "release": released}
         try:
             reply, _ = self.client.exchange(meta, tensors)
         except (PeerLostError, RemoteError) as e:
@@ -209,17 +220,12 @@ class SplitExecutor(Executor):
             raise ExecutorLostError(str(e)) from None
         return output_from_wire(reply)
 
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            if self._synced.pop(seq_id, None) is not None:
-                self._released.append(seq_id)
+    @property
+    def local_runner(self) -> ModelRunner:
+        return self.runner
 
     def shutdown(self) -> None:
         self._drop_session()
-
-    @property
-    def load_seconds(self) -> float:
-        return self.runner.load_seconds
 
 
 # ---- the cloud -----------------------------------------------------------------------------
@@ -227,9 +233,7 @@ class CloudWorker:
     """The last tier: layers [k, L) + head over mirrored sequences, served to one edge."""
 
     def __init__(self, config: EngineConfig) -> None:
-        assert config.partition is not None and config.partition.role == "cloud"
-        self.partition = config.partition
-        self.runner = ModelRunner(config)
+        self.partition, self.tier, self.runner = tier_runner(config, "cloud")
         self.max_blocks = self.runner.plan_kv_cache().num_blocks
         self.seqs: dict[int, Sequence] = {}  # seq_id -> mirror of the edge's sequence
         self._lock = threading.Lock()
@@ -241,9 +245,9 @@ class CloudWorker:
             return output_to_wire(self._step(meta, tensors)), {}
 
     def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
-        hf = self.runner.config.model.hf_config
+        hf = self.runner.model_config.hf_config
         expected = {
-            "cut": self.partition.cut,
+            "cut": self.tier.cut,
             "block_size": self.runner.block_size,
             "hidden_size": hf.hidden_size,
         }
@@ -252,14 +256,12 @@ class CloudWorker:
                 raise ValueError(f"the edge has {key}={meta[key]}, this cloud worker {value}")
         num_blocks = min(int(meta["num_blocks"]), self.max_blocks)
         self.close()
-        if not self.runner.kv_caches or self.runner.kv_caches[0][0].shape[0] != num_blocks:
-            self.runner.kv_caches = []
-            self.runner.allocate_kv_cache(num_blocks)
+        self.runner.ensure_kv_cache(num_blocks)
         logger.info("session open: layers [%d, %d), %d KV blocks", *self._range(), num_blocks)
         return {"num_blocks": num_blocks}
 
     def _range(self) -> tuple[int, int]:
-        return self.partition.cut, self.runner.config.model.num_layers
+        return self.tier.layers
 
     def _mirror(self, row: list[Any]) -> ScheduledSequence:
         seq_id, computed, num_new, table, new_tokens, first = row
@@ -290,7 +292,7 @@ class CloudWorker:
 
     def _forget(self, seq_id: int) -> None:
         if self.seqs.pop(seq_id, None) is not None:
-            self.runner.release(seq_id)
+            self.runner.release([seq_id])
 
     def close(self) -> None:
         """The edge went away: forget its sequences (the KV blocks are the edge's to reuse)."""

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from pagedllm.partition.profiler import LinkProfile
+from pagedllm.partition.profiles import LinkProfile
 
 logger = logging.getLogger(__name__)
 

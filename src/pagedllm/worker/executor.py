@@ -1,17 +1,38 @@
-"""Runs the model for the engine: in this process, or (tensor parallel) across workers."""
+"""Runs the model for the engine: in this process, across tensor-parallel workers, or split
+across an edge and a cloud process.
+
+Executors are registered by name, as attention backends are: the registry holds module paths
+that are imported only when that executor is chosen, so an optional feature (the edge/cloud
+split in ``pagedllm.partition``) is never imported by an engine that does not use it.
+
+The engine <-> worker contract is ``execute_model(SchedulerOutput) -> ModelOutput``: the
+scheduler output carries the step's batch and the ids of the sequences that finished since
+the last step (whose per-sequence state the workers drop). Every executor failure that
+loses the KV state of the running sequences is an ``ExecutorLostError``.
+"""
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.worker.model_runner import KVCacheSpec, ModelOutput, ModelRunner
+from pagedllm.worker.model_runner import ModelOutput, ModelRunner
+
+# name -> "module:Class"; imported lazily by executor_class.
+EXECUTORS: dict[str, str] = {
+    "uniproc": "pagedllm.worker.executor:UniProcExecutor",
+    "multiproc": "pagedllm.worker.multiproc_executor:MultiprocExecutor",
+    "split": "pagedllm.partition.runtime:SplitExecutor",
+}
 
 
 class ExecutorLostError(RuntimeError):
-    """A remote part of the model (a partition tier) is gone, and with it the KV state of
-    every running sequence: the engine fails those requests and starts the rest afresh."""
+    """A part of the model that runs elsewhere (a tensor-parallel rank, a partition tier) is
+    gone, and with it the KV state of every running sequence: the engine fails those
+    requests and starts the rest afresh."""
 
 
 class Executor(ABC):
@@ -20,23 +41,35 @@ class Executor(ABC):
         """Size the KV cache from the memory budget and allocate it on every worker."""
 
     @abstractmethod
-    def execute_model(self, out: SchedulerOutput) -> ModelOutput: ...
+    def execute_model(self, out: SchedulerOutput) -> ModelOutput:
+        """Run one step; first drop the state of ``out.finished_seq_ids``."""
 
+    @property
     @abstractmethod
-    def release(self, seq_ids: list[int]) -> None:
-        """Forget per-sequence sampler state of finished sequences."""
+    def local_runner(self) -> ModelRunner:
+        """The model runner in this process (rank 0, or the first tier): for tools that time
+        or inspect the model, never for running steps outside ``execute_model``."""
+
+    @property
+    def is_driver(self) -> bool:
+        """False on a process that only serves another process's engine (see run_worker)."""
+        return True
+
+    def run_worker(self) -> None:
+        """Serve the driver's steps until it stops (only where ``is_driver`` is False)."""
+        raise NotImplementedError
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
 
     @property
     def load_seconds(self) -> float:
-        return 0.0
+        return self.local_runner.load_seconds
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner.from_engine_config(config)
 
     def initialize_cache(self) -> KVCacheSpec:
         spec = self.runner.plan_kv_cache()
@@ -46,24 +79,33 @@ class UniProcExecutor(Executor):
     def execute_model(self, out: SchedulerOutput) -> ModelOutput:
         return self.runner.execute(out)
 
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self.runner.release(seq_id)
-
     @property
-    def load_seconds(self) -> float:
-        return self.runner.load_seconds
+    def local_runner(self) -> ModelRunner:
+        return self.runner
 
 
-def create_executor(config: EngineConfig) -> Executor:
+def executor_name(config: EngineConfig) -> str:
+    """The registered executor an engine config asks for."""
     if config.partition is not None:
         if config.partition.role != "edge":
             raise ValueError("the cloud tier runs as `pagedllm split-worker`, not as an engine.")
-        from pagedllm.partition.runtime import SplitExecutor
+        return "split"
+    return "multiproc" if config.parallel.tensor_parallel_size > 1 else "uniproc"
 
-        return SplitExecutor(config)
-    if config.parallel.tensor_parallel_size > 1:
-        from pagedllm.worker.multiproc_executor import MultiprocExecutor
 
-        return MultiprocExecutor(config)
-    return UniProcExecutor(config)
+def executor_class(name: str) -> type[Executor]:
+    if name not in EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; registered: {sorted(EXECUTORS)}.")
+    module, _, cls = EXECUTORS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor for config. A process that is not the driver (a tensor-parallel rank
+    other than 0 on a worker node, or under a launcher) serves its ranks here and exits
+    when the driver shuts down: it never becomes an engine."""
+    executor = executor_class(executor_name(config))(config)
+    if not executor.is_driver:
+        executor.run_worker()
+        raise SystemExit(0)
+    return executor

@@ -14,7 +14,15 @@ import torch
 
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata, ForwardContext
-from pagedllm.config import EngineConfig, default_kv_cache_bytes
+from pagedllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_kv_cache_bytes,
+)
+from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
@@ -43,29 +51,47 @@ class ModelOutput:
     prompt_logprobs: dict[int, list[TokenLogprobs | None]]  # seq_id -> this chunk's positions
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int  # over all layers, K and V
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig, comm: Communicator = SINGLE) -> None:
-        self.config = config
-        self.device = torch.device(config.device.device)
+    """Takes only the configs it reads: the model, the KV cache's budget and block size,
+    the scheduler's limits (for the profiling run and the useful cache size) and the device."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+        comm: Communicator = SINGLE,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = torch.device(device_config.device)
         if self.device.type == "cuda" and comm.world_size > 1:
             self.device = torch.device("cuda", comm.rank % torch.cuda.device_count())
-        self.dtype = DTYPES[config.model.dtype]
-        torch.manual_seed(config.model.seed)
+        self.dtype = DTYPES[model_config.dtype]
+        torch.manual_seed(model_config.seed)
         start = time.perf_counter()
-        self.model = load_model(config.model, self.device, comm)
+        self.model = load_model(model_config, self.device, comm)
         self.load_seconds = time.perf_counter() - start
-        self.block_size = config.cache.block_size
-        self.backend = get_attention_backend(config.device.attention_backend, self.device)
+        self.backend = get_attention_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device)
+        self.kv_spec: KVCacheSpec | None = None  # the allocated cache's layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_buffer: mmap.mmap | None = None  # backs the CPU cache (see _zeroed)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
+        return cls(config.model, config.cache, config.scheduler, config.device, comm)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the allocated cache (0 before allocate_kv_cache)."""
+        return 0 if self.kv_spec is None else self.kv_spec.num_blocks
 
     # ---- KV cache ------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -76,7 +102,7 @@ class ModelRunner:
 
     def kv_cache_budget(self) -> int:
         """Bytes the KV cache may take: explicit, else from device memory or the CPU default."""
-        explicit = self.config.cache.kv_cache_memory_bytes
+        explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
             return explicit
         if self.device.type == "cuda":
@@ -87,24 +113,24 @@ class ModelRunner:
     def _profile_cuda_budget(self) -> int:
         """gpu_memory_utilization x total, less weights and the peak of a full-size forward."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.config.scheduler.max_num_batched_tokens
-        blocks = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(blocks)
+        num_tokens = self.scheduler_config.max_num_batched_tokens
+        self.allocate_kv_cache(-(-num_tokens // self.block_size))
+        blocks = self.num_blocks
         params = SamplingParams(temperature=0.0, max_tokens=1)
         seq = Sequence(-1, "profile", 0, [0] * num_tokens, params, None)
         seq.block_table = list(range(blocks))
         self.execute(SchedulerOutput([ScheduledSequence(seq, num_tokens)], num_tokens))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_caches = []
+        self.kv_caches, self.kv_spec = [], None
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.cache.gpu_memory_utilization) - peak
+        return int(total * self.cache_config.gpu_memory_utilization) - peak
 
     def plan_kv_cache(self) -> KVCacheSpec:
         per_block = self._bytes_per_block()
         num_blocks = self.kv_cache_budget() // per_block
-        sched = self.config.scheduler
+        sched = self.scheduler_config
         useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size) + 1
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
@@ -115,6 +141,7 @@ class ModelRunner:
         return KVCacheSpec(num_blocks, self.block_size, per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []  # the old cache (if any) is freed before the new one is made
         attn = self.model.attention_layers()
         shape = (num_blocks, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
         # Zeroed: padded key slots are masked, but 0 * NaN garbage would still poison P @ V.
@@ -123,6 +150,12 @@ class ModelRunner:
         self.kv_caches = [(views[i, 0], views[i, 1]) for i in range(len(attn))]
         for layer, (k, v) in zip(attn, self.kv_caches):
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
+        self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
+
+    def ensure_kv_cache(self, num_blocks: int) -> None:
+        """Allocate a cache of num_blocks unless the one allocated already has that many."""
+        if self.num_blocks != num_blocks:
+            self.allocate_kv_cache(num_blocks)
 
     def _zeroed(self, numel: int) -> torch.Tensor:
         """A zero tensor; on the CPU backed by anonymous memory that the OS zeroes on first
@@ -166,15 +199,13 @@ class ModelRunner:
         dev = self.device
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
-        metadata = AttentionMetadata(
+        metadata = AttentionMetadata.paged(
             query_start_loc=torch.from_numpy(cu).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -188,6 +219,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        self.release(out.finished_seq_ids)
         inp = self.prepare_input(out)
         return self.compute_output(inp, self.forward(inp))
 
@@ -236,5 +268,7 @@ class ModelRunner:
             result[seq.seq_id] = entries[: seq.num_prompt_tokens - start]
         return result
 
-    def release(self, seq_id: int) -> None:
-        self.sampler.release(seq_id)
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget the per-sequence sampler state of finished sequences."""
+        for seq_id in seq_ids:
+            self.sampler.release(seq_id)

@@ -7,13 +7,20 @@ layers). Only rank 0 samples; the others compute the LM head only to join its al
 
 Processes: on one machine the engine spawns ranks 1..N-1 itself. Over several machines each
 node runs the same command with ``--nnodes`` / ``--node-rank`` (or torchrun starts one process
-per rank); a process whose rank is not 0 serves as a worker inside ``create_executor`` and
-exits when the engine shuts down, so only rank 0 ever returns an engine.
+per rank). ``MultiprocExecutor.__init__`` returns on every rank; on a rank other than 0 it is
+not a driver, and ``create_executor`` runs its ``run_worker`` loop, which serves until the
+engine shuts down and then exits the process, so only rank 0 ever returns an engine.
+
+Workers start with forkserver (its server imports torch and the model code once). A script
+that builds the engine at module level, without ``if __name__ == "__main__":``, would be run
+again in every such worker; there the workers are forked when that is safe (CUDA not yet
+initialised in this process), and otherwise the engine fails at once saying what to write.
 
 A rank that dies closes its sockets, so the next collective on rank 0 fails at once; a rank
 that hangs is caught by the collective timeout (PAGEDLLM_TP_TIMEOUT). Either way the step
-raises ``WorkerDiedError`` naming the rank and its exit code (the engine ends the step's
-requests with that error), the other workers are stopped, and every later step fails alike.
+raises ``WorkerDiedError`` (an ``ExecutorLostError``) naming the rank and its exit code: the
+engine ends the running requests with that error, as for a lost partition peer, the other
+workers are stopped, and every later step fails alike.
 """
 
 from __future__ import annotations
@@ -36,9 +43,9 @@ import torch.multiprocessing as mp
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.communicator import OverlapCommunicator
-from pagedllm.distributed.overlap import split_batch
 from pagedllm.distributed.parallel_state import (
     RankPlacement,
     Rendezvous,
@@ -48,15 +55,17 @@ from pagedllm.distributed.parallel_state import (
     placement,
     rendezvous,
 )
-from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import KVCacheSpec, ModelInput, ModelOutput, ModelRunner
+from pagedllm.worker.executor import Executor, ExecutorLostError
+from pagedllm.worker.model_runner import ModelInput, ModelOutput, ModelRunner
+from pagedllm.worker.overlap import forward_overlapped, split_batch
+from pagedllm.worker.start_method import worker_context
 
 logger = logging.getLogger(__name__)
 
 _JOIN_SECONDS = 10.0  # a worker's grace period to exit after the stop message
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(ExecutorLostError):
     """A tensor-parallel rank died or stopped answering; the engine cannot continue."""
 
 
@@ -67,24 +76,20 @@ class StepInput:
     input_ids: np.ndarray  # [num_tokens]
     positions: np.ndarray  # [num_tokens]
     logits_indices: np.ndarray  # [num_logits]
-    metadata: dict[str, Any]  # AttentionMetadata fields, tensors as numpy arrays
+    metadata: AttentionMetadata  # its tensors as numpy arrays
     overlap: bool  # split into micro-batches whose all-reduces overlap compute
 
     @classmethod
     def from_input(cls, inp: ModelInput, overlap: bool) -> StepInput:
-        md = {
-            f.name: _host(getattr(inp.metadata, f.name))
-            for f in dataclasses.fields(AttentionMetadata)
-        }
+        md = inp.metadata.map_tensors(_host)
         host = [_host(t) for t in (inp.input_ids, inp.positions, inp.logits_indices)]
         return cls(*host, md, overlap)
 
     def to_input(self, device: torch.device) -> ModelInput:
-        md = {k: _device(v, device) for k, v in self.metadata.items()}
         return ModelInput(
             input_ids=_device(self.input_ids, device),
             positions=_device(self.positions, device),
-            metadata=AttentionMetadata(**md),
+            metadata=self.metadata.map_tensors(lambda x: _device(x, device)),
             logits_indices=_device(self.logits_indices, device),
             sample_seqs=[],
             sample_rows=[],
@@ -131,7 +136,7 @@ def run_forward(
     if batches is None or comm.world_size == 1:
         return runner.forward(inp)
     with torch.inference_mode():
-        return runner.model.forward_overlapped(batches, comm)
+        return forward_overlapped(runner.model, batches, comm)
 
 
 def _agree_num_blocks(runner: ModelRunner, comm: OverlapCommunicator) -> KVCacheSpec:
@@ -146,7 +151,7 @@ def _agree_num_blocks(runner: ModelRunner, comm: OverlapCommunicator) -> KVCache
 
 def _serve(config: EngineConfig, groups: TensorParallelGroups) -> None:
     """A non-driver rank: load the shard, then run each step rank 0 broadcasts, until stop."""
-    runner = ModelRunner(config, groups.comm)
+    runner = ModelRunner.from_engine_config(config, groups.comm)
     _agree_num_blocks(runner, groups.comm)
     while (message := _recv(groups.control)) is not None:
         if isinstance(message, RpcCall):
@@ -200,22 +205,11 @@ def _spawned_worker(config: EngineConfig, rank: int, rdzv: Rendezvous, local: in
     os._exit(0)
 
 
-def _start_context(config: EngineConfig) -> Any:
-    """forkserver where there is one: its server imports torch and the model code once per
-    engine process, so workers (and later engines' workers) start in a fraction of the time;
-    a fork of that single-threaded server is safe for CUDA too, unlike a fork of this one."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, type(config.model.hf_config).__module__])
-    return ctx
-
-
 class _LocalWorkers:
     """The worker processes this process started, and how to stop them."""
 
     def __init__(self, config: EngineConfig, place: RankPlacement, rdzv: Rendezvous) -> None:
-        ctx = _start_context(config)
+        ctx = worker_context([__name__, type(config.model.hf_config).__module__])
         local = len(place.local_ranks) + 1
         self.procs: dict[int, mp.Process] = {}
         for rank in place.local_ranks:
@@ -269,23 +263,24 @@ def _describe(dead: list[tuple[int, int | None, int | None]], fallback: str) -> 
 
 
 def _serve_node(config: EngineConfig, place: RankPlacement, rdzv: Rendezvous) -> None:
-    """A process whose rank is not 0: serve this node's ranks until the engine stops, exit."""
+    """A process whose rank is not 0: serve this node's ranks until the engine stops."""
     workers = _LocalWorkers(config, place, rdzv)
     local = len(place.local_ranks) + 1
     try:
         _worker_main(config, place.rank, rdzv, local, place.launched)
     finally:
         workers.join()
-    raise SystemExit(0)
 
 
 class MultiprocExecutor(Executor):
-    """Rank 0 of a tensor-parallel world, in the engine's process; see the module docstring."""
+    """Rank 0 of a tensor-parallel world, in the engine's process; on any other rank a
+    handle whose ``run_worker`` serves rank 0 (see the module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
         place, rdzv = placement(config.parallel), rendezvous(config.parallel)
+        self._config, self._place, self._rdzv = config, place, rdzv
         if place.rank != 0:
-            _serve_node(config, place, rdzv)  # never returns
+            return  # a worker rank: create_executor calls run_worker
         self.comm_overlap = not config.parallel.disable_comm_overlap  # may be flipped per step
         # Below this many tokens a split costs more (twice the collectives, each with its own
         # latency) than the overlap hides; see benchmarks/results/tp.md.
@@ -304,7 +299,7 @@ class MultiprocExecutor(Executor):
                 self._workers.await_ready(store, rdzv.timeout.total_seconds())
             device = _device_of(config, 0)
             groups = init_tensor_parallel(0, place.world_size, device, rdzv.timeout, store)
-            self.runner = ModelRunner(config, groups.comm)
+            self.runner = ModelRunner.from_engine_config(config, groups.comm)
         except BaseException:
             self._workers.terminate()
             if groups is not None:
@@ -316,10 +311,20 @@ class MultiprocExecutor(Executor):
             self, _stop, self._workers, self._groups, self._threads, False
         )
 
+    @property
+    def is_driver(self) -> bool:
+        return self._place.rank == 0
+
+    def run_worker(self) -> None:
+        """On a rank other than 0: serve this node's ranks until the engine shuts down."""
+        assert not self.is_driver, "rank 0 is the driver; it runs steps through execute_model"
+        _serve_node(self._config, self._place, self._rdzv)
+
     def initialize_cache(self) -> KVCacheSpec:
         return self._guard(_agree_num_blocks, self.runner, self._groups.comm)
 
     def execute_model(self, out: SchedulerOutput) -> ModelOutput:
+        self.runner.release(out.finished_seq_ids)  # only rank 0 samples, so only it has state
         inp = self.runner.prepare_input(out)
         overlap = self.comm_overlap and out.num_batched_tokens >= self.overlap_min_tokens
         return self._guard(self._step, inp, overlap)
@@ -365,16 +370,12 @@ class MultiprocExecutor(Executor):
         """Rank -> pid of the worker processes this engine started."""
         return {rank: proc.pid for rank, proc in self._workers.procs.items()}
 
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self.runner.release(seq_id)  # only rank 0 samples, so only it keeps sampler state
+    @property
+    def local_runner(self) -> ModelRunner:
+        return self.runner
 
     def shutdown(self) -> None:
         self._finalizer()
-
-    @property
-    def load_seconds(self) -> float:
-        return self.runner.load_seconds
 
 
 def _stop(workers: _LocalWorkers, groups: TensorParallelGroups, threads: int, failed: bool) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import socket
 import threading
@@ -108,11 +107,11 @@ def build_app(
 
 
 def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedModel:
-    config = engine.engine.config.model
+    config = engine.engine.config
     return ServedModel(
-        names=list(names) if names else [config.model],
-        path=config.model,
-        max_model_len=config.max_model_len,
+        names=list(names) if names else [config.model.model],
+        path=config.model.model,
+        max_model_len=config.scheduler.max_model_len,
     )
 
 
@@ -241,9 +240,9 @@ def startup_banner(app: FastAPI, host: str, port: int) -> str:
     engine: AsyncLLMEngine = app.state.engine
     model: ServedModel = app.state.served_model
     config = engine.engine.config
-    blocks = engine.engine.kv_cache.num_blocks
-    block_size = config.cache.block_size
-    per_request = math.ceil(model.max_model_len / block_size)
+    kv = engine.engine.kv_cache
+    blocks, block_size = kv.num_blocks, kv.block_size
+    per_request = kv.blocks_for(model.max_model_len)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{port}"
     lines = [
@@ -252,7 +251,7 @@ def startup_banner(app: FastAPI, host: str, port: int) -> str:
         f"  model        {model.name}" + (f"  ({model.path})" if model.path != model.name else ""),
         f"  dtype        {config.model.dtype}",
         f"  device       {config.device.device}",
-        f"  KV cache     {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens",
+        f"  KV cache     {blocks} blocks x {block_size} tokens = {kv.num_slots} tokens",
         f"  concurrency  {blocks / per_request:.2f} requests at max_model_len "
         f"{model.max_model_len}",
         f"  metrics      {url}/metrics",

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from hf_oracle import hf_greedy
+from helpers.generation import greedy, random_prompts
+from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
@@ -16,16 +15,12 @@ def run(model_dir, prompts, max_tokens, **engine_kwargs):
     kwargs = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
     kwargs.update(engine_kwargs)
     llm = LLM(str(model_dir), **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.check_integrity()
-    assert llm.llm_engine.block_manager.usage == 0.0
-    return llm, [o.outputs[0].token_ids for o in outs]
+    return llm, greedy(llm, prompts, max_tokens)
 
 
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+def min_chunks(prompts: list[list[int]], budget: int) -> int:
+    """Prompt pieces that end short of their prompt when at most budget tokens run a step."""
+    return sum(-(-len(p) // budget) - 1 for p in prompts)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +48,7 @@ def test_chunked_prefill_matches_hf(model_factory, hf_cache, arch):
     model_dir = model_factory(arch)
     prompts = random_prompts(4, 30, 70, seed=1)
     llm, got = run(model_dir, prompts, 10, max_num_batched_tokens=16, max_num_seqs=4)
+    assert llm.llm_engine.scheduler.num_prefill_chunks >= min_chunks(prompts, 16)
     assert got == expected(hf_cache, model_dir, prompts, 10)
 
 
@@ -82,9 +78,11 @@ def test_preemption_matches_hf(model_factory, hf_cache, arch):
 
 
 def test_mistral_prompt_longer_than_window(model_factory, hf_cache):
+    """Prompts of 60-90 tokens, prefilled in chunks of at most 32, past a window of 24."""
     model_dir = model_factory("mistral")  # sliding_window = 24
     prompts = random_prompts(3, 60, 90, seed=5)
-    _, got = run(model_dir, prompts, 20, max_num_batched_tokens=32)
+    llm, got = run(model_dir, prompts, 20, max_num_batched_tokens=32)
+    assert llm.llm_engine.scheduler.num_prefill_chunks >= min_chunks(prompts, 32)
     assert got == expected(hf_cache, model_dir, prompts, 20)
 
 

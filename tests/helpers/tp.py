@@ -1,27 +1,11 @@
-"""Helpers shared by the tensor-parallel tests (the rpc functions run on every rank)."""
+"""Tensor-parallel test helpers (the rpc functions run on every rank via collective_rpc)."""
 
 from __future__ import annotations
 
-import random
-
-from hf_oracle import hf_greedy  # noqa: F401 - re-exported to the tests here
-
-from pagedllm import LLM, SamplingParams
+from helpers.generation import greedy
+from pagedllm import LLM
 
 BASE = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.check_integrity()
-    assert llm.llm_engine.block_manager.usage == 0.0
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def async_reduces(runner) -> int:  # noqa: ANN001 - runs on every rank via collective_rpc

@@ -1,0 +1,98 @@
+"""Edge/cloud split helpers: plans for fixed cuts and cloud workers in subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedllm.config import EngineArgs
+from pagedllm.partition import DeviceProfile, GraphPartitioner, LinkProfile
+from pagedllm.partition.graph import graph_for_model
+from pagedllm.partition.runtime import CloudWorker
+
+CPU = DeviceProfile("cpu", {"float32": 5e10}, 1e10, 8 << 30)
+
+
+def make_plan(model_dir: Path, cut: int, path: Path, wire_dtype: str = "float32") -> Path:
+    """A plan JSON for a fixed cut (the runtime only reads the cut and the wire dtype)."""
+    graph = graph_for_model(str(model_dir), "float32")
+    partitioner = GraphPartitioner(wire_dtype=wire_dtype)
+    partitioner.analyze(graph, [CPU, CPU], LinkProfile(1000, 1), cuts=[cut]).save(path)
+    return path
+
+
+@dataclass
+class Worker:
+    address: str
+    process: subprocess.Popen
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def launch_worker(
+    model_dir: Path, plan: Path, *extra: str, address: str = "127.0.0.1:0", via_serve: bool = False
+):
+    """Start a cloud worker process (split-worker, or serve --role cloud); ready() waits for
+    its address."""
+    command = ["serve", "--role", "cloud"] if via_serve else ["split-worker", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        *command,
+        str(model_dir),
+        "--partition",
+        str(plan),
+        "--partition-address",
+        address,
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--kv-cache-memory-bytes",
+        str(1 << 20),
+        *extra,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def ready(proc: subprocess.Popen, timeout: float = 120.0) -> Worker:
+    deadline = time.time() + timeout
+    lines = []
+    assert proc.stdout is not None
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "listening on" in line:
+            return Worker(line.rsplit(" ", 1)[1].strip(), proc)
+    proc.kill()
+    raise RuntimeError("cloud worker did not start:\n" + "".join(lines))
+
+
+@contextlib.contextmanager
+def inprocess_cloud(model_dir: Path, plan: Path, address: str = "127.0.0.1:0"):
+    """A cloud worker served from this process (same gRPC path, no process start-up)."""
+    args = EngineArgs(
+        model=str(model_dir),
+        partition=str(plan),
+        partition_role="cloud",
+        partition_address=address,
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    cloud = CloudWorker(args.create_engine_config())
+    server = cloud.serve()
+    try:
+        yield cloud, server
+    finally:
+        server.stop()
