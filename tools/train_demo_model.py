@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Train the small Llama-architecture demo model that ships with pagedllm.
 
-The training text is English documentation that ships with CPython itself: the
-pydoc topic pages (``pydoc_data.topics``) and the docstrings of a fixed list of
-standard-library modules, walked with ``inspect``. A byte-level BPE tokenizer is
+The training text is what ships with CPython itself: the pydoc topic pages
+(``pydoc_data.topics``), the docstrings of a fixed list of standard-library
+modules walked with ``inspect``, and the standard library's own Python source
+(``Lib/*.py`` without its test suites). A byte-level BPE tokenizer is
 trained on that corpus, then a small GQA Llama model is trained from scratch on
 the CPU (fp32, AdamW, cosine learning rate with warmup, packed 512-token
 sequences) and exported as bfloat16 safetensors together with a
@@ -13,11 +14,14 @@ Training stops at whichever of --max-steps / --max-minutes comes first. With a
 time limit the length of the cosine schedule is refitted to the measured step
 rate, so such runs depend on machine load. With --max-steps and --max-minutes 0
 a run is deterministic: the same seed, step count, thread count and library
-versions give bit-identical weights.
+versions give bit-identical weights. --schedule-steps sets the length of the
+cosine schedule apart from --max-steps, so a run stopped early (SIGINT/SIGTERM
+finishes the current step, then evaluates and exports) is reproduced exactly by
+--max-steps <steps done> --schedule-steps <planned steps>.
 
 examples:
   python tools/train_demo_model.py --max-minutes 40 --threads 1
-  python tools/train_demo_model.py --max-steps 2050 --max-minutes 0 --threads 1
+  python tools/train_demo_model.py --max-steps 3000 --max-minutes 0 --threads 2
   python tools/train_demo_model.py --tiny --out /tmp/pagedllm-demo-tiny
 """
 
@@ -35,6 +39,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -67,6 +72,16 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
 )
+# Default sampling written to generation_config.json. Engines that read it (vLLM, pagedllm)
+# use these values unless a request sets its own; greedy decoding of a model this small
+# tends to loop, a mild temperature with a repetition penalty reads like text.
+DEFAULT_SAMPLING: dict[str, float | int] = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 40,
+    "repetition_penalty": 1.1,
+}
+SAMPLE_SEED = 0
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 
 # Standard-library modules whose docstrings form the corpus. Modules that fail to
@@ -166,12 +181,19 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     max_steps: int | None = None
+    schedule_steps: int | None = None
+    lr_schedule: str = "cosine"
+    decay_start: int | None = None
+    decay_fraction: float = 0.25
+    autocast_bf16: bool = False
     max_minutes: float | None = 40.0
     eval_every: int = 100
     eval_blocks: int = 20
     threads: int = 1
     seed: int = 0
     max_corpus_chars: int | None = None
+    init_from: Path | None = None
+    source: bool = True
     sample_tokens: int = 48
     command: str = ""
 
@@ -297,8 +319,8 @@ def _docstring_entries(name: str) -> list[tuple[str, object]]:
             return []
 
 
-def build_corpus(modules: tuple[str, ...] = STDLIB_MODULES) -> list[str]:
-    """Return the deduplicated documents: pydoc topics, then stdlib docstrings."""
+def build_corpus(modules: tuple[str, ...] = STDLIB_MODULES, source: bool = True) -> list[str]:
+    """Return the deduplicated documents: pydoc topics, stdlib docstrings, stdlib source."""
     from pydoc_data.topics import topics
 
     docs: list[str] = []
@@ -319,6 +341,44 @@ def build_corpus(modules: tuple[str, ...] = STDLIB_MODULES) -> list[str]:
     for name in sorted(modules):
         for header, text in _docstring_entries(name):
             add(header, text)
+    if source:
+        docs.extend(doc for doc in stdlib_source_documents() if doc not in seen)
+    return docs
+
+
+# Folders of Lib/ whose source is left out: test suites, the IDLE and turtle demo apps,
+# bundled wheels and third-party packages, and generated tables (encodings, pydoc topics).
+SOURCE_SKIP_DIRS = frozenset(
+    "idlelib lib2to3 turtledemo ensurepip site-packages encodings pydoc_data __pycache__".split()
+)
+
+
+def _skip_source(rel: Path) -> bool:
+    """True for files under a skipped folder, test suites or the build's config folder."""
+    return any(
+        part in SOURCE_SKIP_DIRS or part.startswith(("test", "config-")) for part in rel.parts
+    )
+
+
+def stdlib_source_documents(limit_chars: int | None = None) -> list[str]:
+    """Return the stdlib's own .py files as documents '# Lib/<path>\n\n<source>', sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[str] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _skip_source(rel):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) < MIN_DOC_CHARS:
+            continue
+        docs.append(f"# Lib/{rel.as_posix()}\n\n{text}")
+        total += len(docs[-1])
+        if limit_chars is not None and total >= limit_chars:
+            break
     return docs
 
 
@@ -425,8 +485,12 @@ def pack_documents(tokenizer: Any, docs: list[str]) -> torch.Tensor:
 
 
 def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
-    """Create a freshly initialised LlamaForCausalLM (seeded by cfg.seed)."""
+    """A freshly initialised LlamaForCausalLM (seeded by cfg.seed), or cfg.init_from's."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if cfg.init_from is not None:
+        torch.manual_seed(cfg.seed)
+        return LlamaForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
 
     heads, kv_heads = cfg.heads()
     config = LlamaConfig(
@@ -467,10 +531,20 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at step `total`."""
+def learning_rate(step: int, total: int, cfg: TrainConfig, decay_start: int | None = None) -> float:
+    """Linear warmup, then decay to min_lr_ratio * lr at step `total`.
+
+    "cosine" decays from the end of warmup. "wsd" (warmup-stable-decay) holds the peak
+    until `decay_start` (no decay while it is None), then decays linearly; a time-limited
+    run fixes `decay_start` and `total` once, so the run is reproducible from the two numbers.
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "wsd":
+        if decay_start is None or step < decay_start:
+            return cfg.lr
+        progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
+        return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * (1.0 - progress))
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
@@ -508,14 +582,47 @@ def evaluate(model: Any, tokens: torch.Tensor, seq_len: int, batch_size: int = 8
     return total / n_blocks
 
 
+@torch.no_grad()
+def evaluate_with_accuracy(
+    model: Any, tokens: torch.Tensor, seq_len: int, batch_size: int = 8
+) -> tuple[float, float]:
+    """(mean loss, top-1 next-token accuracy) over the same blocks that evaluate() scores."""
+    n_blocks = tokens.numel() // seq_len
+    blocks = tokens[: n_blocks * seq_len].view(n_blocks, seq_len)
+    was_training = model.training
+    model.eval()
+    hits, total = 0, 0.0
+    for start in range(0, n_blocks, batch_size):
+        batch = blocks[start : start + batch_size]
+        out = model(input_ids=batch, labels=batch)
+        total += out.loss.item() * batch.shape[0]
+        hits += int((out.logits[:, :-1].argmax(-1) == batch[:, 1:]).sum())
+    model.train(was_training)
+    return total / n_blocks, hits / (n_blocks * (seq_len - 1))
+
+
 class StepBudget:
     """Plans the total step count from --max-steps and --max-minutes."""
 
-    def __init__(self, max_steps: int | None, max_minutes: float | None) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         self.start = time.monotonic()
-        self.max_steps = max_steps
-        self.deadline = self.start + max_minutes * 60 if max_minutes else None
-        self.total = max_steps or 10**9
+        self.max_steps = cfg.max_steps
+        self.deadline = self.start + cfg.max_minutes * 60 if cfg.max_minutes else None
+        self.total = cfg.max_steps or 10**9
+        self.fixed_schedule = cfg.schedule_steps
+        self.wsd = cfg.lr_schedule == "wsd"
+        self.decay_start = cfg.decay_start
+        self.decay_fraction = cfg.decay_fraction
+        self.stop_requested = False
+
+    @property
+    def schedule(self) -> int:
+        """Length of the cosine schedule: --schedule-steps if set, else the planned steps."""
+        return self.fixed_schedule or self.total
+
+    def request_stop(self, signum: int = 0, frame: object = None) -> None:
+        """Signal handler: finish the current step, then stop and export."""
+        self.stop_requested = True
 
     def replan(self, steps_done: int) -> None:
         """Fit the schedule to the deadline using the step rate measured so far."""
@@ -525,11 +632,18 @@ class StepBudget:
         per_step = (now - self.start) / steps_done
         fit = steps_done + int(max(0.0, self.deadline - now) / per_step)
         self.total = max(steps_done, min(self.max_steps or fit, fit))
+        decay_time = self.decay_fraction * (self.deadline - self.start)
+        if self.wsd and self.decay_start is None and self.deadline - now <= decay_time:
+            # From here on the run is step-limited: decay_start and total are fixed.
+            self.decay_start = steps_done
+            self.fixed_schedule = self.total
+            self.max_steps = self.total
+            self.deadline = None
 
     def done(self, steps_done: int) -> bool:
         """True once the planned steps are done or the deadline has passed."""
         late = self.deadline is not None and time.monotonic() >= self.deadline
-        return steps_done >= self.total or late
+        return steps_done >= self.total or late or self.stop_requested
 
 
 def train_loop(
@@ -541,8 +655,9 @@ def train_loop(
     generator = torch.Generator().manual_seed(cfg.seed)
     batches = iterate_batches(train_tokens, cfg.seq_len, cfg.batch_size, generator)
     optimizer = make_optimizer(model, cfg)
-    initial_heldout = evaluate(model, heldout_tokens, cfg.seq_len)
-    budget = StepBudget(cfg.max_steps, cfg.max_minutes)
+    initial_heldout = evaluate(model, heldout_tokens[: cfg.eval_blocks * cfg.seq_len], cfg.seq_len)
+    budget = StepBudget(cfg)
+    handlers = _install_stop_handlers(budget)
     bar = tqdm(
         total=budget.total if cfg.max_steps else None, unit="step", mininterval=_tqdm_interval()
     )
@@ -552,9 +667,10 @@ def train_loop(
     model.train()
     while not budget.done(step):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, budget.total, cfg)
+            group["lr"] = learning_rate(step, budget.schedule, cfg, budget.decay_start)
         batch = next(batches)
-        loss = model(input_ids=batch, labels=batch).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -564,7 +680,7 @@ def train_loop(
         bar.update(1)
         lr = optimizer.param_groups[0]["lr"]
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step == min(10, max(1, cfg.warmup_steps)) or step % cfg.eval_every == 0:
+        if step == min(10, max(1, cfg.warmup_steps)) or step % 10 == 0:
             budget.replan(step)
             bar.total = budget.total
         if step % cfg.eval_every == 0:
@@ -572,14 +688,32 @@ def train_loop(
             history.append((step, _recent_mean(losses), held))
             bar.write(f"step {step}/{budget.total}: train {history[-1][1]:.4f} held-out {held:.4f}")
     bar.close()
+    _restore_handlers(handlers)
     return {
         "steps": step,
+        "schedule_steps": budget.schedule,
+        "decay_start": budget.decay_start,
         "initial_loss": losses[0],
         "initial_heldout_loss": initial_heldout,
         "train_loss": _recent_mean(losses),
         "history": history,
         "train_seconds": time.monotonic() - budget.start,
     }
+
+
+def _install_stop_handlers(budget: StepBudget) -> dict[int, Any]:
+    """Route SIGINT/SIGTERM to a graceful stop (main thread only); returns the old handlers."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, budget.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(handlers: dict[int, Any]) -> None:
+    """Put back the signal handlers that _install_stop_handlers replaced."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _recent_mean(values: list[float], window: int = 20) -> float:
@@ -611,7 +745,8 @@ def export_model(model: Any, tokenizer: Any, out: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
+        do_sample=True,
+        **DEFAULT_SAMPLING,
     )
     model.save_pretrained(str(out), safe_serialization=True)
     config_path = out / "config.json"
@@ -636,6 +771,20 @@ def greedy_samples(model: Any, tokenizer: Any, prompts: tuple[str, ...], n: int)
     return completions
 
 
+@torch.no_grad()
+def sampled_samples(model: Any, tokenizer: Any, prompts: tuple[str, ...], n: int) -> list[str]:
+    """Completions with the default sampling of generation_config.json, seeded."""
+    model.eval()
+    completions = []
+    for i, prompt in enumerate(prompts):
+        torch.manual_seed(SAMPLE_SEED + i)
+        enc = tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=n, do_sample=True, **DEFAULT_SAMPLING)
+        new = out[0, enc["input_ids"].shape[1] :]
+        completions.append(tokenizer.decode(new, skip_special_tokens=True))
+    return completions
+
+
 def _psf_license_text() -> str:
     """The PSF License Agreement from the running interpreter's LICENSE.txt."""
     path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
@@ -650,18 +799,20 @@ def _psf_license_text() -> str:
 README_TEMPLATE = """# pagedllm-demo
 
 A small Llama-architecture causal language model bundled with pagedllm for demos and
-tests. It was trained from scratch on the CPU on English documentation that ships with
-Python {python}: the pydoc topic pages (`pydoc_data.topics`) and the docstrings of
-standard-library modules. It continues text in the style of Python reference documentation
-and knows little else. It is not instruction-tuned: the chat template in
-`tokenizer_config.json` (`### User:` / `### Assistant:` turns) only exists so the chat
-API can be exercised.
+tests. It was trained from scratch on the CPU on what ships with Python {python}: the
+pydoc topic pages (`pydoc_data.topics`), the docstrings of standard-library modules and
+the standard library's own Python source (`Lib/**/*.py` without test suites, IDLE, lib2to3,
+turtledemo, ensurepip and encodings). It continues text in the style of Python reference
+documentation and Python source code, and knows little else. It is not instruction-tuned:
+the chat template in `tokenizer_config.json` (`### User:` / `### Assistant:` turns) only
+exists so the chat API can be exercised.
 
 {tables}
 
-Held-out documents are those whose SHA-1 is divisible by {heldout_mod}. The held-out loss
-is measured with the trained fp32 weights; the exported bfloat16 weights give the second
-figure.
+Held-out documents are those whose SHA-1 is divisible by {heldout_mod}. The held-out loss,
+perplexity and top-1 accuracy are measured on all full 512-token blocks of the held-out
+documents with the exported bfloat16 weights (computed in float32); the last row compares
+the trained float32 weights with the exported ones on the first blocks.{base}
 
 ## Training command
 
@@ -673,9 +824,21 @@ figure.
 
 Library versions: torch {torch}, transformers {transformers}, tokenizers {tokenizers}.
 
+## Default sampling
+
+`generation_config.json` sets {sampling}. pagedllm and vLLM use these values
+for every request that does not set its own (a request's `temperature=0` still gives greedy
+decoding).
+
 ## Greedy samples
 
 {samples}
+
+## Samples with the default sampling
+
+Seeded with `torch.manual_seed({seed} + prompt index)`, generated with transformers.
+
+{sampled}
 
 ## Usage
 
@@ -701,6 +864,21 @@ the change made is that it was used as training data for this model. The license
 """
 
 
+def _compute_text(training: dict[str, Any]) -> str:
+    """'2 CPU threads, fp32 weights, bf16 autocast' and the like."""
+    threads = training["threads"]
+    text = f"{threads} CPU thread{'s' if threads != 1 else ''}, fp32"
+    return text + (" weights, bf16 autocast" if training["autocast_bf16"] else "")
+
+
+def _schedule_text(training: dict[str, Any]) -> str:
+    """'cosine over 3000 steps' or 'constant, linear decay from step 2400 to 3000'."""
+    total = training["schedule_steps"]
+    if training["lr_schedule"] == "wsd":
+        return f"constant, then linear decay from step {training['decay_start']} to {total}"
+    return f"cosine over {total} steps"
+
+
 def _readme_tables(report: dict[str, Any]) -> str:
     """Model, corpus and result tables of the README."""
     m, c, t = report["model"], report["corpus"], report["training"]
@@ -718,59 +896,107 @@ def _readme_tables(report: dict[str, Any]) -> str:
         ("corpus tokens", f"{c['train_tokens']:,} / {c['heldout_tokens']:,}"),
         ("optimizer steps", f"{t['steps']:,} (batch {t['batch_size']} x {t['seq_len']} tokens)"),
         ("tokens seen", f"{t['tokens_seen']:,} ({t['epochs']:.2f} epochs)"),
-        ("peak learning rate", f"{t['lr']:g} (warmup {t['warmup_steps']}, cosine)"),
-        ("training time", f"{t['train_seconds'] / 60:.1f} min ({t['threads']} CPU thread, fp32)"),
+        ("peak learning rate", f"{t['lr']:g} (warmup {t['warmup_steps']}, {_schedule_text(t)})"),
+        ("training time", f"{t['train_seconds'] / 60:.1f} min ({_compute_text(t)})"),
         ("wall time, whole script", f"{report['wall_seconds'] / 60:.1f} min"),
         ("train loss (last 20 steps)", f"{report['train_loss']:.3f}"),
         (
             "held-out loss / perplexity",
             f"{report['heldout_loss']:.3f} / {report['heldout_ppl']:.2f}",
         ),
-        ("held-out loss, bf16 weights", f"{report['heldout_loss_bf16']:.3f}"),
+        ("held-out top-1 next-token accuracy", f"{report['heldout_accuracy']:.4f}"),
+        (
+            f"first {t['eval_blocks']} held-out blocks, trained fp32 / exported bf16",
+            f"{report['heldout_subset_fp32']:.3f} / {report['heldout_subset_bf16']:.3f}",
+        ),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
-def _readme_samples(report: dict[str, Any]) -> str:
-    """Greedy sample completions as a README section."""
+def _readme_samples(samples: list[tuple[str, str]]) -> str:
+    """Sample completions as a README section."""
     parts = []
-    for prompt, completion in report["samples"]:
+    for prompt, completion in samples:
         parts.append(f"Prompt `{prompt!r}`:\n\n```text\n{(prompt + completion).rstrip()}\n```")
     return "\n\n".join(parts)
 
 
 _FLAG_FIELDS = (
     "out hidden_size num_layers num_heads num_kv_heads intermediate_size vocab_size seq_len "
-    "batch_size lr warmup_steps eval_every max_corpus_chars threads seed"
+    "batch_size lr warmup_steps eval_every max_corpus_chars init_from threads seed"
 ).split()
+
+
+def repro_command(training: dict[str, Any]) -> str:
+    """The step-limited command that reproduces a finished run's weights exactly."""
+    args = ["python", "tools/train_demo_model.py"]
+    for key in _FLAG_FIELDS:
+        if training[key] is not None:
+            args += [f"--{key.replace('_', '-')}", str(training[key])]
+    args += ["--lr-schedule", training["lr_schedule"]]
+    if training["lr_schedule"] == "wsd" and training["decay_start"] is not None:
+        args += ["--decay-start", str(training["decay_start"])]
+    if training["autocast_bf16"]:
+        args.append("--autocast-bf16")
+    if not training["source"]:
+        args.append("--no-source")
+    args += ["--max-steps", str(training["steps"])]
+    args += ["--schedule-steps", str(training["schedule_steps"]), "--max-minutes", "0"]
+    return shlex.join(args)
 
 
 def _repro_text(training: dict[str, Any]) -> str:
     """README paragraph on how to reproduce the weights."""
-    if not training["max_minutes"]:
+    step_limited = not training["max_minutes"] and training["steps"] == training["max_steps"]
+    if step_limited:
         return (
             "The run is step-limited and therefore deterministic: the same command with the"
             " same interpreter, library versions and thread count reproduces these weights"
             " exactly."
         )
-    args = ["python", "tools/train_demo_model.py"]
-    for key in _FLAG_FIELDS:
-        if training[key] is not None:
-            args += [f"--{key.replace('_', '-')}", str(training[key])]
-    args += ["--max-steps", str(training["steps"]), "--max-minutes", "0"]
     return (
-        "The cosine schedule of a time-limited run is refitted to the measured speed, so the"
-        " run is not bit-reproducible. This command trains for the same number of steps"
-        f" deterministically:\n\n```bash\n{shlex.join(args)}\n```"
+        "The run was limited by time (or stopped early), so the learning-rate schedule was"
+        " fixed while it ran. This step-limited command fixes the same schedule and"
+        " reproduces these weights exactly with the same interpreter, library versions and"
+        f" thread count:\n\n```bash\n{repro_command(training)}\n```"
     )
+
+
+def _base_text(training: dict[str, Any], base_command: str | None) -> str:
+    """README paragraph on the starting weights of a continued run ('' for a fresh one)."""
+    if training["init_from"] is None:
+        return ""
+    text = (
+        f"\n\nTraining continued from the model and tokenizer in `{training['init_from']}`"
+        " (the tokenizer is kept as it is)."
+    )
+    if base_command:
+        base = re.sub(r"--out \S+", f"--out {training['init_from']}", base_command)
+        text += (
+            " Those weights are the previous demo model (documentation only, 1 thread), which"
+            f" this step-limited command reproduces exactly:\n\n```bash\n{base} --no-source\n```"
+        )
+    return text
+
+
+def base_model_command(folder: Path) -> str | None:
+    """The training command a model folder's README records, if any."""
+    readme = folder / "README.md"
+    if not readme.exists():
+        return None
+    match = re.search(r"## Training command\n\n```bash\n(.+?)\n```", readme.read_text("utf-8"))
+    return match.group(1) if match else None
 
 
 def write_readme(out: Path, report: dict[str, Any]) -> None:
     """Write README.md describing the model, its training run and its license."""
     repro = _repro_text(report["training"])
     fields = dict(report["versions"], python=report["python"], command=report["command"])
-    fields.update(tables=_readme_tables(report), samples=_readme_samples(report))
+    fields.update(tables=_readme_tables(report), samples=_readme_samples(report["samples"]))
+    fields.update(sampled=_readme_samples(report["sampled"]), seed=SAMPLE_SEED)
+    fields["sampling"] = ", ".join(f"`{k}={v}`" for k, v in DEFAULT_SAMPLING.items())
     fields.update(repro=repro, out=out.as_posix(), heldout_mod=HELDOUT_MOD)
+    fields["base"] = _base_text(report["training"], report.get("base_command"))
     fields["license"] = _psf_license_text()
     (out / "README.md").write_text(README_TEMPLATE.format(**fields), encoding="utf-8")
 
@@ -788,8 +1014,15 @@ def _setup(cfg: TrainConfig) -> None:
 
 def prepare_data(cfg: TrainConfig) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, int]]:
     """Build the corpus, train the tokenizer and pack both splits into token streams."""
-    train_docs, heldout_docs = split_corpus(build_corpus(), cfg.max_corpus_chars)
-    tokenizer = train_tokenizer(train_docs, cfg.vocab_size, max(512, cfg.seq_len))
+    docs = build_corpus(source=cfg.source)
+    train_docs, heldout_docs = split_corpus(docs, cfg.max_corpus_chars)
+    if cfg.init_from is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cfg.init_from))
+        tokenizer.chat_template = CHAT_TEMPLATE
+    else:
+        tokenizer = train_tokenizer(train_docs, cfg.vocab_size, max(512, cfg.seq_len))
     train_tokens = pack_documents(tokenizer, train_docs)
     heldout_tokens = pack_documents(tokenizer, heldout_docs)
     corpus = {
@@ -837,17 +1070,21 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     summary = _model_summary(model)
     print(f"model: {json.dumps(summary)}", flush=True)
     stats = train_loop(model, train_tokens, heldout_tokens, cfg)
-    heldout = evaluate(model, heldout_tokens, cfg.seq_len)
+    subset = heldout_tokens[: cfg.eval_blocks * cfg.seq_len]
+    subset_fp32 = evaluate(model, subset, cfg.seq_len)
     export_model(model, tokenizer, cfg.out)
     model.float()  # the exported bf16 values, computed in fp32
-    heldout_bf16 = evaluate(model, heldout_tokens, cfg.seq_len)
+    subset_bf16 = evaluate(model, subset, cfg.seq_len)
+    heldout, accuracy = evaluate_with_accuracy(model, heldout_tokens, cfg.seq_len)
     samples = greedy_samples(model, tokenizer, SAMPLE_PROMPTS, cfg.sample_tokens)
+    sampled = sampled_samples(model, tokenizer, SAMPLE_PROMPTS, cfg.sample_tokens)
     tokens_seen = stats["steps"] * cfg.batch_size * cfg.seq_len
     training = dataclasses.asdict(cfg) | {"out": str(cfg.out), "tokens_seen": tokens_seen}
-    training |= {k: stats[k] for k in ("steps", "train_seconds")}
+    training |= {k: stats[k] for k in ("steps", "schedule_steps", "decay_start", "train_seconds")}
     training["epochs"] = tokens_seen / corpus["train_tokens"]
     report = {
         "command": cfg.command,
+        "base_command": None if cfg.init_from is None else base_model_command(cfg.init_from),
         "python": sys.version.split()[0],
         "versions": _versions(),
         "model": summary,
@@ -859,8 +1096,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "history": stats["history"],
         "heldout_loss": heldout,
         "heldout_ppl": math.exp(heldout),
-        "heldout_loss_bf16": heldout_bf16,
+        "heldout_accuracy": accuracy,
+        "heldout_subset_fp32": subset_fp32,
+        "heldout_subset_bf16": subset_bf16,
         "samples": list(zip(SAMPLE_PROMPTS, samples, strict=True)),
+        "sampled": list(zip(SAMPLE_PROMPTS, sampled, strict=True)),
     }
     report["wall_seconds"] = time.monotonic() - wall_start
     write_readme(cfg.out, report)
@@ -874,9 +1114,11 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"steps: {t['steps']:,}  tokens seen: {t['tokens_seen']:,}  epochs: {t['epochs']:.2f}")
     print(f"initial loss: {report['initial_loss']:.4f}  train loss: {report['train_loss']:.4f}")
     print(f"held-out loss: {report['heldout_loss']:.4f}  perplexity: {report['heldout_ppl']:.3f}")
-    print(f"held-out loss (bf16 weights): {report['heldout_loss_bf16']:.4f}")
+    print(f"held-out top-1 accuracy: {report['heldout_accuracy']:.4f}")
+    fp32, bf16 = report["heldout_subset_fp32"], report["heldout_subset_bf16"]
+    print(f"held-out subset loss, fp32 / bf16 weights: {fp32:.4f} / {bf16:.4f}")
     print(f"train time: {t['train_seconds']:.0f} s  wall time: {report['wall_seconds']:.0f} s")
-    for prompt, completion in report["samples"]:
+    for prompt, completion in report["samples"] + report["sampled"]:
         print(f"--- {prompt!r}\n{prompt}{completion}")
     print(f"saved to {t['out']}")
 
@@ -896,6 +1138,36 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"time limit of the training loop, 0 = none ({d.max_minutes:g})",
     )
     add("--max-steps", type=int, metavar="N", help="optimizer step limit, 0 = none (default: none)")
+    add(
+        "--schedule-steps",
+        type=int,
+        metavar="N",
+        help="length of the cosine schedule (default: the planned step count)",
+    )
+    add(
+        "--lr-schedule",
+        choices=("cosine", "wsd"),
+        help="cosine, or warmup-stable-decay (default: cosine)",
+    )
+    add(
+        "--decay-start",
+        type=int,
+        metavar="N",
+        help="wsd: step where the linear decay begins (default: set by the time limit)",
+    )
+    add(
+        "--decay-fraction",
+        type=float,
+        metavar="F",
+        help=f"wsd with --max-minutes: the last fraction of the time spent decaying "
+        f"({d.decay_fraction:g})",
+    )
+    add(
+        "--autocast-bf16",
+        action="store_true",
+        default=None,
+        help="compute the training forward pass in bfloat16 (faster on CPUs with bf16 units)",
+    )
     add("--hidden-size", type=int, metavar="N", help=f"model width ({d.hidden_size})")
     add("--num-layers", type=int, metavar="N", help=f"transformer layers ({d.num_layers})")
     add("--num-heads", type=int, metavar="N", help="attention heads (default: hidden size / 64)")
@@ -926,6 +1198,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="use only about this many training characters",
+    )
+    add(
+        "--init-from",
+        type=Path,
+        metavar="DIR",
+        help="continue from the model and tokenizer in DIR instead of training both from scratch",
+    )
+    add(
+        "--no-source",
+        dest="source",
+        action="store_false",
+        default=None,
+        help="documentation only, without the stdlib source (the corpus of earlier versions)",
     )
     add("--threads", type=int, metavar="N", help=f"torch CPU threads ({d.threads})")
     add("--seed", type=int, metavar="N", help=f"random seed ({d.seed})")

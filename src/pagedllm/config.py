@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.generation_config import generation_config_folder
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
@@ -43,11 +43,12 @@ class QuantConfig:
 class ModelConfig:
     model: str  # local Hugging Face folder
     tokenizer: str
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: Any  # pagedllm.hf_config.HFConfig (transformers.PretrainedConfig for other types)
     dtype: str  # "float32" | "bfloat16" | "float16"
     seed: int
     layer_range: tuple[int, int] | None = None  # decoder layers of a partition tier; None: all
     quant_config: QuantConfig | None = None  # int8 quantization; None: full precision
+    generation_config: str | None = None  # folder whose generation_config.json sets defaults
 
     @property
     def architecture(self) -> str:
@@ -194,6 +195,7 @@ class EngineArgs:
     quant_observer: str = "minmax"
     quant_activation: bool = True
     speculative_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
+    generation_config: str = "auto"  # default sampling: "auto" (the model's), "pagedllm", a folder
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -230,6 +232,7 @@ class EngineArgs:
                 dtype=_resolve_dtype(self.dtype, hf_config, device),
                 seed=self.seed,
                 quant_config=self._quant_config(hf_config),
+                generation_config=generation_config_folder(self.generation_config, self.model),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -366,12 +369,9 @@ def load_hf_config(model: str) -> Any:
         )
     if not (path / "config.json").exists():
         raise ValueError(f"model folder {model!r} has no config.json.")
-    from transformers import AutoConfig
+    from pagedllm.hf_config import read_hf_config
 
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from e
+    return read_hf_config(path)
 
 
 def _max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -69,6 +69,15 @@ def PAGEDLLM_CPU_NATIVE_ARCH() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_NATIVE_ARCH", "1") != "0"
 
 
+def TORCH_EXTENSIONS_DIR() -> str | None:  # noqa: N802 - torch's own variable, read here too
+    """Where compiled C++ extensions are cached (torch's default: ~/.cache/torch_extensions)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or None
+
+
+def XDG_CACHE_HOME() -> str | None:  # noqa: N802
+    return os.environ.get("XDG_CACHE_HOME") or None
+
+
 def TRITON_INTERPRET() -> bool:  # noqa: N802 - Triton's own variable, read here too
     """Triton runs kernels in its CPU interpreter (tests of the GPU kernels without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

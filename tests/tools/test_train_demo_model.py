@@ -95,7 +95,12 @@ def test_learning_rate_schedule(tdm: ModuleType) -> None:
 def test_corpus_is_clean_and_split_is_stable(tdm: ModuleType) -> None:
     docs = tdm.build_corpus()
     assert len(docs) == len(set(docs)) > 1000
-    assert not any(" at 0x" in doc for doc in docs)
+    # docstrings lose run-dependent addresses; source files are static text as shipped
+    source = [doc for doc in docs if doc.startswith("# Lib/")]
+    assert len(source) > 200
+    assert any(doc.startswith("# Lib/collections/__init__.py\n") for doc in source)
+    assert not any("/test/" in doc.split("\n", 1)[0] for doc in source)
+    assert not any(" at 0x" in doc for doc in docs if not doc.startswith("# Lib/"))
     train, heldout = tdm.split_corpus(docs)
     assert len(train) + len(heldout) == len(docs)
     assert 0.02 < len(heldout) / len(docs) < 0.08
@@ -107,7 +112,8 @@ def test_tiny_training_reduces_loss(tiny_run: tuple[dict[str, Any], Path]) -> No
     assert report["training"]["steps"] == 60
     assert report["train_loss"] < report["initial_loss"] - 0.5
     assert report["heldout_loss"] < report["initial_heldout_loss"] - 0.5
-    assert report["heldout_loss_bf16"] == pytest.approx(report["heldout_loss"], abs=0.05)
+    assert report["heldout_subset_bf16"] == pytest.approx(report["heldout_subset_fp32"], abs=0.05)
+    assert 0.0 < report["heldout_accuracy"] < 1.0
 
 
 def test_tiny_export_loads_and_generates(tiny_run: tuple[dict[str, Any], Path]) -> None:

@@ -147,6 +147,11 @@ class AsyncLLMEngine:
         return self.engine.get_tokenizer()
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """Request defaults from the model's generation_config.json (see LLMEngine)."""
+        return self.engine.sampling_defaults
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -27,6 +27,7 @@ from pagedllm.engine.tokenizer import (
     load_tokenizer,
     stop_token_ids_from_generation_config,
 )
+from pagedllm.generation_config import read_sampling_defaults
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.executor import ExecutorLostError, create_executor
@@ -48,6 +49,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
         self.extra_stop_ids = stop_token_ids_from_generation_config(config.model.model)
+        # request defaults from generation_config.json, as vLLM's --generation-config auto
+        self.sampling_defaults = read_sampling_defaults(config.model.generation_config)
         self.executor = create_executor(config)
         self.kv_cache = self.executor.initialize_cache()  # the one record of the cache's layout
         self.block_manager = BlockManager(
@@ -78,6 +81,10 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (as vLLM's)."""
+        return SamplingParams(**self.sampling_defaults)
 
     @property
     def model(self) -> Any:

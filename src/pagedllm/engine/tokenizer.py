@@ -1,4 +1,10 @@
-"""Tokenizer loading (transformers' AutoTokenizer, offline) and EOS ids of the model."""
+"""Tokenizer loading and EOS ids of the model.
+
+A folder with a tokenizer.json that transformers uses as it is loads as a FastTokenizer
+(``tokenizers`` + ``jinja2``: no transformers import, which costs seconds at start-up);
+other folders (slow sentencepiece tokenizers, classes that rewrite the post-processor) go
+through transformers' AutoTokenizer when it is installed.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,20 @@ from typing import Any
 
 
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    from pagedllm.engine.fast_tokenizer import FastTokenizer, is_plain
 
     try:
+        if is_plain(path):
+            return FastTokenizer(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except ImportError as e:
+        raise ValueError(
+            f"the tokenizer in {path!r} needs transformers ({e}); install it, or pass "
+            "tokenizer=... a folder with a tokenizer.json."
+        ) from e
+    except (OSError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(
             f"cannot load a tokenizer from {path!r} ({e}); pass tokenizer=... or use "
             "skip_tokenizer_init with token-id prompts."

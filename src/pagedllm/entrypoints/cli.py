@@ -103,13 +103,17 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
+    group = parser.add_argument_group(
+        "sampling",
+        "Unset values come from the model's generation_config.json (as in vLLM), else the "
+        "SamplingParams defaults; the temperature then defaults to 0 (greedy).",
+    )
     group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 = off")
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None, help="0 = off")
+    group.add_argument("--min-p", type=float, default=None)
+    group.add_argument("--repetition-penalty", type=float, default=None)
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument("--n", type=int, default=1, help="samples per prompt")
@@ -118,14 +122,22 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true")
 
 
-def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
+# Without a flag or a generation_config.json value the command line decodes greedily.
+CLI_DEFAULTS: dict[str, float | int] = {"temperature": 0.0}
+
+
+def sampling_params_from(
+    ns: argparse.Namespace, defaults: dict[str, float | int] | None = None
+) -> SamplingParams:
+    """The flags given, over the model's defaults (generation_config.json), over CLI_DEFAULTS."""
+    from pagedllm.generation_config import with_defaults
+
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    chosen = with_defaults(CLI_DEFAULTS | (defaults or {}), {n: getattr(ns, n) for n in names})
+    chosen.pop("max_tokens", None)  # --max-tokens always has a value
     return SamplingParams(
         n=ns.n,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty,
+        **chosen,
         presence_penalty=ns.presence_penalty,
         frequency_penalty=ns.frequency_penalty,
         seed=ns.sampling_seed,
@@ -143,7 +155,8 @@ def _generate(ns: argparse.Namespace) -> int:
         print("error: give a prompt (or pipe prompts on stdin, one per line)", file=sys.stderr)
         return 2
     llm = LLM.from_engine_args(engine_args_from(ns))
-    outputs = llm.generate(prompts, sampling_params_from(ns), use_tqdm=len(prompts) > 1)
+    params = sampling_params_from(ns, llm.llm_engine.sampling_defaults)
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for out in outputs:
         for comp in out.outputs:
             if len(prompts) > 1 or len(out.outputs) > 1:
@@ -156,7 +169,7 @@ def _chat(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     llm = LLM.from_engine_args(engine_args_from(ns))
-    params = sampling_params_from(ns)
+    params = sampling_params_from(ns, llm.llm_engine.sampling_defaults)
     messages: list[dict[str, str]] = []
     print("Chat: type a message, empty line or Ctrl-D to quit.")
     while True:
@@ -194,13 +207,17 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `only`, the other subcommands' modules are not imported (start-up)."""
     parser = argparse.ArgumentParser(
         prog="pagedllm", description="pagedllm: LLM inference and serving engine."
     )
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, _help) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            subparsers.add_parser(name, help=_help)
+            continue
         try:
             mod = importlib.import_module(module)
         except ImportError as e:  # a dependency is missing: say which, whatever the flags
@@ -239,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=envs.PAGEDLLM_LOG_LEVEL(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
-    parser = build_parser()
+    args = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in args if not a.startswith("-")), None)
+    parser = build_parser(chosen if chosen in SUBCOMMANDS else None)
     ns, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(ns, "takes_any_args", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

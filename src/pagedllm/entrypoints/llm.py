@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling used when none is given: the model's generation_config.json values
+        over SamplingParams' defaults, as vLLM's LLM does."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -51,7 +56,7 @@ class LLM:
         """Generate for every prompt; outputs come back in the prompts' order."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -183,12 +183,12 @@ def _default_text() -> str:
 
 
 def _eval(ns: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from pagedllm.engine.tokenizer import load_tokenizer
 
     args = engine_args_from(ns)
     text = _default_text() if ns.text is None else Path(ns.text).read_text(encoding="utf-8")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    ids = tokenizer.encode(text, add_special_tokens=True)
     report = evaluate(args, ids, ns.window, ns.max_tokens)
     print(json.dumps(report) if ns.json else format_report(report))
     return 0

@@ -65,6 +65,13 @@ class RotaryEmbedding(nn.Module):
         """Compute the cos / sin tables where the module lives (again after the loader moves a
         model built on the meta device)."""
         dtype = dtype or self.cos.dtype
+        if torch.empty(0).device.type == "meta":
+            # Built on the meta device: shapes only. Computing the tables there runs torch's
+            # Python reference ops, whose first use imports torch._dynamo and sympy (seconds
+            # of start-up); the loader calls this again on the real device.
+            self.cos = torch.empty(self.max_position, self.head_dim, dtype=dtype)
+            self.sin = torch.empty(self.max_position, self.head_dim, dtype=dtype)
+            return
         inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

@@ -76,7 +76,10 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     buffers are recomputed by their modules' reset_buffers()."""
     for param in model.parameters():  # a shared parameter once
         attrs = dict(param.__dict__)
-        real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+        # torch.empty, not empty_like: empty_like of a meta tensor runs torch's Python
+        # reference op, whose first use imports torch._dynamo and sympy (seconds)
+        storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+        real = nn.Parameter(storage, requires_grad=False)
         torch.utils.swap_tensors(param, real)
         param.__dict__.update(attrs)
     with torch.device(device):

@@ -184,13 +184,13 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
+                temperature=self.default("temperature", req.temperature, 1.0),
+                top_p=self.default("top_p", req.top_p, 1.0),
+                top_k=self.default("top_k", req.top_k, 0),
+                min_p=self.default("min_p", req.min_p, 0.0),
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
+                repetition_penalty=self.default("repetition_penalty", req.repetition_penalty, 1.0),
                 seed=None if req.seed is None else int64_seed(req.seed, req.n),
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
@@ -205,6 +205,12 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise bad_request(e, req) from e
+
+    def default(self, name: str, value: float | None, fallback: float) -> float:
+        """A request's value; unset, the model's generation_config.json default (as vLLM)."""
+        if value is not None:
+            return value
+        return self.engine.sampling_defaults.get(name, fallback)
 
     # ---- running requests ----------------------------------------------------------------
     async def respond(
