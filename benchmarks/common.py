@@ -93,8 +93,9 @@ def machine() -> str:
     )
 
 
-def build_bench_tokenizer(folder: Path, vocab_size: int = 32000) -> Path:
-    """A byte-level BPE tokenizer of vocab_size tokens for the benchmark model, which has none.
+def build_stdlib_tokenizer(folder: Path, vocab_size: int = 32000) -> Path:
+    """A byte-level BPE tokenizer of vocab_size tokens trained on real text (the grammar
+    benchmarks: token masks depend on what the tokens spell).
 
     Trained on the standard library's Python sources (about 10 MB of text, deterministic for
     one Python version), with `<unk>`, `<s>`, `</s>` as ids 0, 1, 2 like Llama's tokenizer.

@@ -6,7 +6,7 @@ computing the full-vocabulary token mask before every token, as an engine step w
     nice -n 10 python benchmarks/grammar_engines.py [--tokenizer PATH ...]
 
 Without --tokenizer it measures the bundled demo model's tokenizer (byte-level BPE, 4096)
-and a 32000-token byte-level BPE built by common.build_bench_tokenizer.
+and a 32000-token byte-level BPE built by common.build_stdlib_tokenizer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import build_bench_tokenizer, machine
+from common import build_stdlib_tokenizer, machine
 
 SCHEMA = {
     "type": "object",
@@ -164,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     paths = args.tokenizer or [
         "models/pagedllm-demo",
-        str(build_bench_tokenizer(Path("bench_out/tokenizer-32k"))),
+        str(build_stdlib_tokenizer(Path("bench_out/tokenizer-32k"))),
     ]
     print(machine())
     text = json.dumps(DOCUMENT, separators=(",", ":"), ensure_ascii=False)

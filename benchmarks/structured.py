@@ -1,7 +1,7 @@
 """Per-step cost of structured outputs: a fully constrained batch vs an unconstrained one.
 
 The 125M Llama benchmark model (random weights) with a 32000-token byte-level BPE tokenizer
-trained by common.build_bench_tokenizer (the model ships none). Each batch decodes with a
+trained by common.build_stdlib_tokenizer (the model ships none). Each batch decodes with a
 JSON schema (an array of at least 8 records: strings, integers, enums, nested objects), so
 no sequence can finish inside the measured window; the per-step time counts only pure decode
 steps with the whole batch running. "constrained, no overlap" fills the masks on the engine
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     build_bench_model,
-    build_bench_tokenizer,
+    build_stdlib_tokenizer,
     default_model_dir,
     machine,
 )
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     model = build_bench_model(default_model_dir())
-    tokenizer = build_bench_tokenizer(default_model_dir().parent / "tokenizer-32k")
+    tokenizer = build_stdlib_tokenizer(default_model_dir().parent / "tokenizer-32k")
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=str(model), tokenizer=str(tokenizer), kv_cache_memory_bytes=1 << 30)
     )

@@ -71,7 +71,6 @@ def time_forward(runner, batch: int, new: int, rounds: int) -> dict[str, float]:
     """
     from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
     from pagedllm.core.sequence import Sequence
-    from pagedllm.distributed.overlap import split_batch
     from pagedllm.sampling_params import SamplingParams
     from pagedllm.worker.overlap import forward_overlapped, split_batch
 
