@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,7 +129,11 @@ def test_auto_tool_choice_needs_a_parser():
     from pagedllm.entrypoints.openai.serving import ServedModel
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
-    class NoEngine:
+    class NoEngine:  # what the handler reads at construction, and nothing to run
+        engine = SimpleNamespace(
+            config=SimpleNamespace(model=SimpleNamespace(hf_config=SimpleNamespace(vocab_size=8)))
+        )
+
         def get_tokenizer(self) -> None:
             return None
 
