@@ -90,7 +90,7 @@ REGIMES = dict(max_num_batched_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=
 
 def with_oracle(llm: LLM, continuations: list[list[int]], wrong_every: int = 3) -> SpecCounter:
     speculator = llm.llm_engine.executor.runner.speculator
-    speculator.proposer = OracleProposer(continuations, k=4, wrong_every=wrong_every)
+    speculator.ngram = OracleProposer(continuations, k=4, wrong_every=wrong_every)
     speculator.gate.min_accepted = 0.0  # verify every proposal
     counter = SpecCounter()
     llm.llm_engine.add_stat_logger(counter)
