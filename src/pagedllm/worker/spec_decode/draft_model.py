@@ -106,15 +106,13 @@ class DraftModelProposer:
             tables[row, : len(s.block_table)] = s.block_table
         blocks = tables[np.arange(len(seqs)), pos // bs].astype(np.int64)
         seq_lens = (pos + 1).tolist()
-        md = AttentionMetadata(
+        md = AttentionMetadata.paged(
             query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
             slot_mapping=torch.from_numpy(blocks * bs + pos % bs).to(dev),
             query_lens_cpu=[1] * len(seqs),
             seq_lens_cpu=seq_lens,
-            max_query_len=1,
-            max_seq_len=max(seq_lens),
         )
         ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=dev)
         with ForwardContext(md):
