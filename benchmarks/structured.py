@@ -4,14 +4,14 @@ The 125M Llama benchmark model (random weights) with a 32000-token byte-level BP
 trained by common.build_stdlib_tokenizer (the model ships none). Each batch decodes with a
 JSON schema (an array of at least 8 records: strings, integers, enums, nested objects), so
 no sequence can finish inside the measured window; the per-step time counts only pure decode
-steps with the whole batch running. "constrained, no overlap" fills the masks on the engine
-thread before the forward, to show what the background fill hides. On a shared, loaded
-machine the step times drift by more than the overhead; "engine-thread ms/step" (the
-structured-output work on the engine thread: starting the fill, waiting for it, masking the
-logits, advancing the matchers, per measured step) and the fill thread's time are measured
-directly and are the load-robust figures.
+steps with the whole batch running. Three engines in one process (free, constrained,
+constrained with the masks filled on the engine thread before the forward: "no overlap") step
+in turn, so that the load of a shared machine drifts over all three alike. "engine-thread"
+is the structured-output work on the engine thread per constrained step (starting the fill,
+waiting for it, masking the logits, advancing the matchers); "mask fill" is the fill
+thread's time per step.
 
-    nice -n 10 python benchmarks/structured.py [--batch-sizes 1 8 32] [--steps 16] [--rounds 2]
+    nice -n 10 python benchmarks/structured.py [--batch-sizes 1 8 32] [--steps 16]
 """
 
 from __future__ import annotations
@@ -58,26 +58,42 @@ SCHEMA = {
 }
 
 
-def decode_step_times(engine: LLMEngine, batch: int, steps: int, constrained: bool) -> list[float]:
-    rng = random.Random(batch)
+VARIANTS = ("free", "constrained", "no overlap")
+
+
+def add_batch(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool) -> None:
+    rng = random.Random(batch)  # the same prompts for every variant
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
     for i in range(batch):
         prompt = [rng.randrange(3, 32000) for _ in range(32)]
         params = SamplingParams(
-            temperature=1.0, seed=i, max_tokens=steps + 8, ignore_eos=True, structured_outputs=so
+            temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, structured_outputs=so
         )
-        engine.add_request(f"{constrained}-{batch}-{i}", prompt, params)
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        sched_before = len(engine.scheduler.running)
-        outs = engine.step()
-        elapsed = time.perf_counter() - start
-        pure_decode = all(len(o.outputs[0].token_ids) > 1 for o in outs)
-        if sched_before == batch and len(outs) == batch and pure_decode:
-            times.append(elapsed)
-        if len(times) >= steps:
-            engine.abort_request(list(engine.requests))
+        engine.add_request(f"{batch}-{i}", prompt, params)
+
+
+def timed_step(engine: LLMEngine, batch: int) -> tuple[float, float] | None:
+    """(wall, process CPU) seconds of one step; None unless it was a pure decode step of the
+    whole batch."""
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = engine.step()
+    elapsed = (time.perf_counter() - start, time.process_time() - cpu)
+    pure_decode = len(outs) == batch and all(len(o.outputs[0].token_ids) > 1 for o in outs)
+    return elapsed if pure_decode else None
+
+
+def run_batch(engines: dict[str, LLMEngine], batch: int, steps: int) -> dict[str, list]:
+    """The variants' decode steps, alternated step by step so that load drifts hit each."""
+    for name, engine in engines.items():
+        add_batch(engine, batch, steps + 8, constrained=name != "free")
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    while min(len(t) for t in times.values()) < steps:
+        for name, engine in engines.items():
+            sample = timed_step(engine, batch)
+            if sample is not None:
+                times[name].append(sample)
+    for engine in engines.values():
+        engine.abort_request(list(engine.requests))
     return times
 
 
@@ -85,48 +101,46 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     model = build_bench_model(default_model_dir())
     tokenizer = build_stdlib_tokenizer(default_model_dir().parent / "tokenizer-32k")
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(model=str(model), tokenizer=str(tokenizer), kv_cache_memory_bytes=1 << 30)
+    engine_args = EngineArgs(
+        model=str(model), tokenizer=str(tokenizer), kv_cache_memory_bytes=1 << 30
     )
-    manager = engine.structured
+    engines = {name: LLMEngine.from_engine_args(engine_args) for name in VARIANTS}
+    engines["no overlap"].structured._overlap = False
     print(machine())
     print(f"schema: {json.dumps(SCHEMA)[:80]}...")
     print(
-        "| batch | free ms/step | constrained ms/step | overhead | no-overlap ms/step |"
-        " mask fill ms/step | sampler wait ms/step | engine-thread ms/step | its share |"
+        "| batch | free ms/step (wall / CPU) | constrained (wall / CPU) | overhead (wall / CPU) "
+        "| no overlap (wall / CPU) | mask fill ms/step | sampler wait ms/step | "
+        "engine-thread ms/step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    decode_step_times(engine, 2, 4, True)  # warm-up: kernels, grammar compile cache
-    decode_step_times(engine, 2, 4, False)
+    print("|---|---|---|---|---|---|---|---|")
+    run_batch(engines, 2, 2)  # warm-up: kernels, grammar compile cache
     for batch in args.batch_sizes:
-        times: dict[str, list[float]] = {"free": [], "overlap": [], "serial": []}
-        fill = wait = on_engine = 0.0
-        for _ in range(args.rounds):  # interleaved, so that load drifts hit every mode
-            times["free"] += decode_step_times(engine, batch, args.steps, False)
-            manager._overlap = False
-            times["serial"] += decode_step_times(engine, batch, args.steps, True)
-            manager._overlap = True
-            stats = manager.stats
-            before = (stats.fill_seconds, stats.wait_seconds, stats.engine_seconds)
-            run = decode_step_times(engine, batch, args.steps, True)
-            times["overlap"] += run
-            # fill / wait over the whole run (prefill steps too), per measured step
-            fill += (stats.fill_seconds - before[0]) / len(run) / args.rounds
-            wait += (stats.wait_seconds - before[1]) / len(run) / args.rounds
-            on_engine += (stats.engine_seconds - before[2]) / len(run) / args.rounds
-        free, overlap, serial = (statistics.median(times[k]) for k in ("free", "overlap", "serial"))
+        stats = engines["constrained"].structured.stats
+        before = (stats.num_steps, stats.fill_seconds, stats.wait_seconds, stats.engine_seconds)
+        times = run_batch(engines, batch, args.steps)
+        n = stats.num_steps - before[0]  # every constrained step, prefill ones too
+        fill, wait, on_engine = (
+            (now - was) / n * 1e3
+            for now, was in zip(
+                (stats.fill_seconds, stats.wait_seconds, stats.engine_seconds), before[1:]
+            )
+        )
+        med = {
+            k: [statistics.median(t[i] for t in v) * 1e3 for i in (0, 1)] for k, v in times.items()
+        }
+        free, over, serial = med["free"], med["constrained"], med["no overlap"]
         print(
-            f"| {batch} | {free * 1e3:.1f} | {overlap * 1e3:.1f} | "
-            f"{(overlap / free - 1) * 100:+.1f}% | {serial * 1e3:.1f} | "
-            f"{fill * 1e3:.2f} | {wait * 1e3:.2f} | {on_engine * 1e3:.2f} | "
-            f"{on_engine / free * 100:.1f}% |",
+            f"| {batch} | {free[0]:.1f} / {free[1]:.1f} | {over[0]:.1f} / {over[1]:.1f} | "
+            f"{(over[0] / free[0] - 1) * 100:+.1f}% / {(over[1] / free[1] - 1) * 100:+.1f}% | "
+            f"{serial[0]:.1f} / {serial[1]:.1f} | {fill:.2f} | {wait:.2f} | {on_engine:.2f} |",
             flush=True,
         )
-    engine.shutdown()
+    for engine in engines.values():
+        engine.shutdown()
 
 
 if __name__ == "__main__":
