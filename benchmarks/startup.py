@@ -27,6 +27,30 @@ import urllib.request
 from pathlib import Path
 
 PROMPT = "A dictionary is"
+# One process, timed phase by phase (the steps `pagedllm generate` takes).
+PHASES = """
+import json, sys, time
+t = [time.perf_counter()]
+import torch
+t.append(time.perf_counter())
+from pagedllm.entrypoints.cli import main  # the CLI module graph
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+t.append(time.perf_counter())
+from pagedllm.config import EngineArgs
+config = EngineArgs().create_engine_config()
+t.append(time.perf_counter())
+from pagedllm.engine.tokenizer import load_tokenizer
+load_tokenizer(config.model.tokenizer)
+t.append(time.perf_counter())
+llm = LLM()
+t.append(time.perf_counter())
+llm.generate([sys.argv[1]], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+t.append(time.perf_counter())
+names = ["import torch", "import pagedllm (CLI, engine)", "read config", "load tokenizer",
+         "LLM() ready (config, tokenizer, weights, KV cache, kernel)", "generate 32 tokens"]
+print(json.dumps({n: b - a for n, a, b in zip(names, t, t[1:])}))
+"""
 
 
 def _env(src: str | None) -> dict[str, str]:
@@ -78,6 +102,18 @@ def time_serve(src: str | None, timeout: float = 300.0) -> float:
             proc.wait()
 
 
+def time_phases(src: str | None) -> dict[str, float]:
+    """Seconds of each start-up phase of one process (see PHASES)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PHASES, PROMPT],
+        env=_env(src),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--src", action="append", help="source tree to put first on PYTHONPATH")
     p.add_argument("--no-serve", action="store_true", help="skip the serve measurement")
+    p.add_argument("--phases", action="store_true", help="also time each start-up phase")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     sources = args.src or [None]
@@ -97,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
             times.setdefault(f"generate [{src}]", []).append(time_command(generate, src))
             if not args.no_serve:
                 times.setdefault(f"serve /health [{src}]", []).append(time_serve(src))
+            if args.phases:
+                for phase, seconds in time_phases(src).items():
+                    times.setdefault(f"phase {phase} [{src}]", []).append(seconds)
     base = statistics.median(times["import torch"])
     report = {
         name: {"median_s": statistics.median(v), "runs_s": v, "minus_import_torch_s": None}
         for name, v in times.items()
     }
     for name, row in report.items():
-        if name != "import torch":
+        if not name.startswith(("import torch", "phase")):
             row["minus_import_torch_s"] = row["median_s"] - base
     text = json.dumps(report, indent=2)
     print(text)

@@ -799,7 +799,7 @@ def _psf_license_text() -> str:
 README_TEMPLATE = """# pagedllm-demo
 
 A small Llama-architecture causal language model bundled with pagedllm for demos and
-tests. It was trained from scratch on the CPU on what ships with Python {python}: the
+tests. It was trained on the CPU on what ships with Python {python}: the
 pydoc topic pages (`pydoc_data.topics`), the docstrings of standard-library modules and
 the standard library's own Python source (`Lib/**/*.py` without test suites, IDLE, lib2to3,
 turtledemo, ensurepip and encodings). It continues text in the style of Python reference

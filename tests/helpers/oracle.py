@@ -21,6 +21,9 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: int) 
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,
             do_sample=False,
+            # plain greedy, whatever sampling defaults the model's generation_config.json holds
+            # (transformers applies its repetition_penalty to greedy search too)
+            repetition_penalty=1.0,
             pad_token_id=2,
         )
         outs.append(gen[0, len(p) :].tolist())

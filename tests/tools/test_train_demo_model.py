@@ -172,3 +172,45 @@ def test_demo_model_loads_and_generates() -> None:
     generated = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     text = tokenizer.decode(generated[0], skip_special_tokens=True)
     assert text.startswith("A dictionary is") and len(text) > len("A dictionary is")
+
+
+def test_wsd_schedule_holds_then_decays(tdm: ModuleType) -> None:
+    cfg = tdm.TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, lr_schedule="wsd")
+    assert tdm.learning_rate(0, 100, cfg) == pytest.approx(1e-4)
+    assert tdm.learning_rate(50, 100, cfg, decay_start=None) == pytest.approx(1e-3)
+    assert tdm.learning_rate(79, 100, cfg, decay_start=80) == pytest.approx(1e-3)
+    assert tdm.learning_rate(90, 100, cfg, decay_start=80) == pytest.approx(5.5e-4)
+    assert tdm.learning_rate(100, 100, cfg, decay_start=80) == pytest.approx(1e-4)
+
+
+def test_repro_command_fixes_the_schedule_of_a_timed_run(tdm: ModuleType) -> None:
+    cfg = tdm.parse_args(["--lr-schedule", "wsd", "--max-minutes", "5", "--autocast-bf16"])
+    training = tdm.dataclasses.asdict(cfg) | {"steps": 150, "schedule_steps": 160}
+    training |= {"decay_start": 120, "out": str(cfg.out)}
+    command = tdm.repro_command(training)
+    for part in ("--decay-start 120", "--max-steps 150", "--schedule-steps 160"):
+        assert part in command
+    assert "--max-minutes 0" in command and "--autocast-bf16" in command
+    again = tdm.parse_args(command.split()[2:])
+    assert (again.decay_start, again.max_steps, again.schedule_steps) == (120, 150, 160)
+    assert again.max_minutes is None and again.lr_schedule == "wsd"
+
+
+def test_timed_wsd_run_is_reproduced_by_its_step_limited_command(
+    tdm: ModuleType, tmp_path: Path
+) -> None:
+    """The README's command for a time-limited run gives bit-identical weights."""
+    threads = torch.get_num_threads()
+    timed, again = tmp_path / "timed", tmp_path / "again"
+    base = ["--tiny", "--max-steps", "0", "--eval-every", "1000"]
+    try:
+        timed_args = [*base, "--out", str(timed), "--lr-schedule", "wsd", "--max-minutes", "0.1"]
+        report = tdm.run(tdm.parse_args(timed_args))
+        command = tdm.repro_command(report["training"]).split()[2:]
+        command[command.index("--out") + 1] = str(again)
+        tdm.run(tdm.parse_args(["--tiny", *command]))
+    finally:
+        torch.set_num_threads(threads)
+    assert report["training"]["decay_start"] is not None
+    weights = (timed / "model.safetensors").read_bytes()
+    assert weights == (again / "model.safetensors").read_bytes()
