@@ -88,6 +88,23 @@ class Timers:
         setattr(obj, name, timed)
 
 
+class TimedSampler:
+    """The runner's sampler, its calls timed (a callable object: wrap() would hide .release)."""
+
+    def __init__(self, sampler: Any, timers: Timers) -> None:
+        self.sampler, self.timers = sampler, timers
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.sampler(*args)
+        finally:
+            self.timers.total["sampler"] += time.perf_counter() - start
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+
 def instrument(engine: Any) -> Timers:
     timers = Timers()
     runner = engine.executor.local_runner
@@ -95,7 +112,7 @@ def instrument(engine: Any) -> Timers:
     timers.wrap(runner, "prepare_input", "prepare_input")
     timers.wrap(runner, "forward", "forward")
     timers.wrap(runner, "compute_output", "logits+sample")
-    timers.wrap(runner, "sampler", "sampler")  # an attribute holding a callable object
+    runner.sampler = TimedSampler(runner.sampler, timers)
     timers.wrap(engine.scheduler, "update", "scheduler.update")
     timers.wrap(engine, "_process", "process(detok,outputs)")
     for layer in runner.model.attention_layers():
