@@ -81,3 +81,9 @@ def XDG_CACHE_HOME() -> str | None:  # noqa: N802
 def TRITON_INTERPRET() -> bool:  # noqa: N802 - Triton's own variable, read here too
     """Triton runs kernels in its CPU interpreter (tests of the GPU kernels without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def PAGEDLLM_CPU_FUSED_OPS() -> bool:  # noqa: N802
+    """Use the C++ fused residual + RMSNorm and rotary kernels on CPU (default on); 0 takes
+    the torch ops, e.g. to measure what the fusion is worth."""
+    return os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers import cpu_fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
@@ -20,7 +22,23 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual); residual None means x starts it."""
+        """Returns (norm(x + residual), x + residual); residual None means x starts it.
+
+        On CPU the C++ kernel does it in one pass, in place: x and residual are the layer's
+        own temporaries (the first call copies x, which may be the caller's tensor)."""
+        if self._fusable(x, residual):
+            if residual is None:
+                residual, x = torch.zeros_like(x), x.clone()
+            return cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
+
+    def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (
+            x.dim() == 2
+            and x.stride(1) == 1
+            and x.dtype == self.weight.dtype
+            and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1))
+            and cpu_fused.usable(x)
+        )

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers import cpu_fused
+
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from either the new or the old config field names."""
@@ -88,6 +90,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated by their positions."""
+        if (
+            positions.dtype == torch.long
+            and q.dtype == self.cos.dtype == k.dtype
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and cpu_fused.usable(q)
+        ):
+            return cpu_fused.rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

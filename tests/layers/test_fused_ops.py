@@ -1,0 +1,85 @@
+"""The C++ fused residual + RMSNorm and rotary kernels against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers import cpu_fused
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from tests.helpers.ci import unavailable
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def kernel() -> None:
+    if not cpu_fused.load():
+        unavailable("the C++ fused ops could not be built")
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_add_rms_norm_matches_torch(monkeypatch, dtype, rows) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(40, 1e-6, dtype)
+    norm.weight.copy_(torch.randn(40))
+    x, residual = torch.randn(rows, 40, dtype=dtype), torch.randn(rows, 40, dtype=dtype)
+    with torch.inference_mode():
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
+        want_out, want_res = norm(x.clone(), residual.clone())
+        want_first, want_first_res = norm(x.clone())
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+        calls = []
+        monkeypatch.setattr(cpu_fused, "fused_add_rms_norm", _counted(calls, cpu_fused))
+        x_in = x.clone()
+        got_out, got_res = norm(x_in, residual.clone())
+        got_first, got_first_res = norm(x)
+    assert len(calls) == 2  # the kernel ran, both with and without a residual
+    torch.testing.assert_close(got_res, want_res, **_tol(dtype))
+    torch.testing.assert_close(got_out, want_out, **_tol(dtype))
+    torch.testing.assert_close(got_first, want_first, **_tol(dtype))
+    assert torch.equal(got_first_res, want_first_res) and got_first_res is not x
+    assert got_out.data_ptr() == x_in.data_ptr()  # in place: no new tensor per layer
+
+
+def _counted(calls: list, module) -> object:
+    real = module.fused_add_rms_norm
+
+    def wrapper(*args):
+        calls.append(1)
+        return real(*args)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_torch_on_strided_qkv(monkeypatch, dtype) -> None:
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(32, 64, 10000.0, None, dtype)
+    qkv = torch.randn(5, (4 + 2 * 2) * 32, dtype=dtype)
+    q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)
+    q, k = q.view(5, 4, 32), k.view(5, 2, 32)  # strided rows, as in the attention layer
+    positions = torch.tensor([0, 1, 7, 63, 30])
+    with torch.inference_mode():
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
+        want_q, want_k = rope(positions, q, k)
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+        got_q, got_k = rope(positions, q, k)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    if dtype == torch.float32:  # same roundings, no FMA: equal to the bit
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+
+
+def test_rotary_rejects_positions_outside_the_table() -> None:
+    rope = RotaryEmbedding(16, 8, 10000.0, None, torch.float32)
+    q, k = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="rotary table"):
+        cpu_fused.rotary_neox(torch.tensor([8]), q, k, rope.cos, rope.sin)
