@@ -100,8 +100,11 @@ class XGrammarBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
+        # xgrammar reads a transformers tokenizer (its vocabulary and how it encodes bytes);
+        # the engine's own tokenizer gives one for the same folder on first constrained use
+        hf = tokenizer.hf_tokenizer() if hasattr(tokenizer, "hf_tokenizer") else tokenizer
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+            hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
 

@@ -77,7 +77,9 @@ class OpenAIServingChat(OpenAIServing):
         )
         ids = self.encode(text, add_special=False, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
-        params = self.sampling_params(req, len(ids), max_tokens, top, "messages", constraint)
+        params = self.sampling_params(
+            req, len(ids), max_tokens, top, "messages", structured_outputs=constraint
+        )
         await precompile(self.engine, constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": text, "prompt_token_ids": ids}
