@@ -61,8 +61,14 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = []
         self._aborted_stats: list[FinishedRequestStats] = []  # recorded by the next step
         stop_ids = {self.eos_token_id, *self.extra_stop_ids} - {None}
+        # Masks are filled in a thread during the forward only where the forward leaves the
+        # CPU free (CUDA); on the CPU the thread costs more than the fill (benchmarks/
+        # results/structured.md), so the fill runs on the engine thread.
         self.structured = StructuredOutputManager(
-            self.tokenizer, config.model.hf_config.vocab_size, sorted(stop_ids)
+            self.tokenizer,
+            config.model.hf_config.vocab_size,
+            sorted(stop_ids),
+            overlap=config.device.device != "cpu",
         )
         self._seq_ids = itertools.count()
         self.startup_seconds = time.perf_counter() - start
