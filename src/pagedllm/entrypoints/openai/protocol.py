@@ -21,6 +21,9 @@ from pagedllm.sampling_params import MAX_LOGPROBS
 CROSS_FIELD_RULES = {
     "context_length_exceeded": "the prompt plus max_tokens exceed the model's context length",
     "chat_template_error": "the model's chat template refused the conversation",
+    "invalid_output_constraint": "an output constraint or tool list that does not compile "
+    "(a JSON schema, regex or grammar the grammar engine rejects, a tool_choice naming no "
+    "given tool, two constraints at once)",
 }
 # Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
 TOKEN_ID_MARK = "x-token-id"
@@ -106,7 +109,7 @@ class SamplingFields(OpenAIRequest):
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
 
 

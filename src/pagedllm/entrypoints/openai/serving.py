@@ -357,6 +357,12 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def constraint_error(message: str, param: str | None = None) -> ServingError:
+    """A 400 for an output constraint or a tool list that no schema can rule out: what the
+    grammar engine or the tool rules refuse (code ``invalid_output_constraint``)."""
+    return ServingError(message, param=param, code="invalid_output_constraint")
+
+
 def bad_request(error: ValueError, req: BaseModel | None = None) -> ServingError:
     """A 400 from a ValueError whose message starts with the offending field's name."""
     word = str(error).split(" ", 1)[0]

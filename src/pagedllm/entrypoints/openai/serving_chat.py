@@ -36,7 +36,7 @@ from pagedllm.entrypoints.openai.serving import (
     DeltaTracker,
     OpenAIServing,
     ServedModel,
-    ServingError,
+    constraint_error,
     merge_streams,
     sse,
     top_entries,
@@ -105,14 +105,14 @@ class OpenAIServingChat(OpenAIServing):
         constraint = structured_from_request(req)
         if mode.constrained:
             if constraint is not None:
-                raise ServingError(
+                raise constraint_error(
                     f"tool_choice {mode.kind} cannot be combined with another output "
                     "constraint (response_format, structured_outputs).",
                     param="tool_choice",
                 )
             return mode.structured_outputs()
         if mode.kind == "auto" and self.tool_parser_cls is None:
-            raise ServingError(
+            raise constraint_error(
                 'tool_choice "auto" needs the server started with --tool-call-parser; '
                 'use "required", a named function or "none".',
                 param="tool_choice",

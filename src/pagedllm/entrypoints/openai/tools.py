@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.serving import ServingError
+from pagedllm.entrypoints.openai.serving import constraint_error
 from pagedllm.entrypoints.openai.tool_parsers import (
     ExtractedToolCalls,
     ParsedToolCall,
@@ -34,17 +34,19 @@ class FunctionSpec:
 
 
 def parse_tools(tools: list[Any] | None) -> list[FunctionSpec]:
-    """The functions of a ``tools`` list; ServingError naming what is malformed."""
+    """The functions of a ``tools`` list; a 400 naming what is malformed."""
     specs: list[FunctionSpec] = []
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ServingError(f"tools[{i}] must be a function tool.", param="tools")
+            raise constraint_error(f"tools[{i}] must be a function tool.", param="tools")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ServingError(f"tools[{i}].function needs a name.", param="tools")
+            raise constraint_error(f"tools[{i}].function needs a name.", param="tools")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise ServingError(f"tools[{i}].function.parameters must be an object.", param="tools")
+            raise constraint_error(
+                f"tools[{i}].function.parameters must be an object.", param="tools"
+            )
         specs.append(FunctionSpec(fn["name"], params))
     return specs
 
@@ -97,17 +99,17 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode:
         return ToolMode("auto" if functions else "none", functions)
     if tool_choice in ("none", "auto", "required"):
         if tool_choice != "none" and not functions:
-            raise ServingError(f'tool_choice "{tool_choice}" needs tools.', param="tool_choice")
+            raise constraint_error(f'tool_choice "{tool_choice}" needs tools.', param="tool_choice")
         return ToolMode(tool_choice, functions)
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") == "function" and isinstance(name, str):
             if name not in {f.name for f in functions}:
-                raise ServingError(
+                raise constraint_error(
                     f"tool_choice names {name!r}, which is not in tools.", param="tool_choice"
                 )
             return ToolMode("named", functions, name)
-    raise ServingError(
+    raise constraint_error(
         'tool_choice must be "none", "auto", "required" or {"type": "function", '
         '"function": {"name": ...}}.',
         param="tool_choice",
