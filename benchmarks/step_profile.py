@@ -212,9 +212,11 @@ def report(label: str, step: float, timers: Timers, steps: int, gemm: tuple[floa
 
 
 def layer_elementwise_ms(rows: int, reps: int) -> dict[str, float]:
-    """Min ms of one decoder layer's elementwise work (2 x residual + RMSNorm, rotary) at
+    """Min ms of one decoder layer's elementwise work (2 x residual + RMSNorm, rotary,
+    SiLU-and-mul) at
     `rows` tokens, torch ops vs the fused kernels, interleaved; the minimum of many short
     repetitions is what survives a shared, loaded machine."""
+    from pagedllm.layers.activation import SiluAndMul
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -225,6 +227,7 @@ def layer_elementwise_ms(rows: int, reps: int) -> dict[str, float]:
     rope = RotaryEmbedding(d, c["max_position_embeddings"], 10000.0, None, torch.float32)
     qkv = torch.randn(rows, (heads + 2 * kv) * d)
     x, residual = torch.randn(rows, h), torch.randn(rows, h)
+    gate_up, act = torch.randn(rows, 2 * c["intermediate_size"]), SiluAndMul()
     positions = torch.randint(0, 1024, (rows,))
     best = {"0": math.inf, "1": math.inf}
     with torch.inference_mode():
@@ -237,6 +240,7 @@ def layer_elementwise_ms(rows: int, reps: int) -> dict[str, float]:
                 q, k, _ = qkv.split([heads * d, kv * d, kv * d], dim=-1)
                 rope(positions, q.view(rows, heads, d), k.view(rows, kv, d))
                 norm(xs, rs)
+                act(gate_up)
                 best[mode] = min(best[mode], time.perf_counter() - start)
     return {"torch": 1000 * best["0"], "fused": 1000 * best["1"]}
 
