@@ -15,6 +15,7 @@ GEMM peak a step reaches is printed next to it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -210,6 +211,40 @@ def report(label: str, step: float, timers: Timers, steps: int, gemm: tuple[floa
     print("\n".join(lines), flush=True)
 
 
+def layer_elementwise_ms(rows: int, reps: int) -> dict[str, float]:
+    """Min ms of one decoder layer's elementwise work (2 x residual + RMSNorm, rotary,
+    SiLU-and-mul) at
+    `rows` tokens, torch ops vs the fused kernels, interleaved; the minimum of many short
+    repetitions is what survives a shared, loaded machine."""
+    from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.norm import RMSNorm
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    c = BENCH_125M
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    norm = RMSNorm(h, 1e-5, torch.float32)
+    rope = RotaryEmbedding(d, c["max_position_embeddings"], 10000.0, None, torch.float32)
+    qkv = torch.randn(rows, (heads + 2 * kv) * d)
+    x, residual = torch.randn(rows, h), torch.randn(rows, h)
+    gate_up, act = torch.randn(rows, 2 * c["intermediate_size"]), SiluAndMul()
+    positions = torch.randint(0, 1024, (rows,))
+    best = {"0": math.inf, "1": math.inf}
+    with torch.inference_mode():
+        for _ in range(reps):
+            for mode in best:
+                os.environ["PAGEDLLM_CPU_FUSED_OPS"] = mode
+                xs, rs = x.clone(), residual.clone()
+                start = time.perf_counter()
+                xs, rs = norm(xs, rs)
+                q, k, _ = qkv.split([heads * d, kv * d, kv * d], dim=-1)
+                rope(positions, q.view(rows, heads, d), k.view(rows, kv, d))
+                norm(xs, rs)
+                act(gate_up)
+                best[mode] = min(best[mode], time.perf_counter() - start)
+    return {"torch": 1000 * best["0"], "fused": 1000 * best["1"]}
+
+
 def torch_profile(engine: Any, steps: int, mixed: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -224,10 +259,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--ops", action="store_true", help="only the fused-op microbenchmark")
     ap.add_argument(
         "--compare-fused", action="store_true", help="each case with the fused ops off, then on"
     )
     args = ap.parse_args()
+    if args.ops:
+        for rows in args.batches + [b + MIXED_PROMPT for b in args.batches]:
+            ms = layer_elementwise_ms(rows, args.steps)
+            layers = BENCH_125M["num_hidden_layers"]
+            saved = layers * (ms["torch"] - ms["fused"])
+            print(
+                f"layer elementwise at {rows} rows: torch {ms['torch']:.3f} ms, fused "
+                f"{ms['fused']:.3f} ms ({ms['torch'] / ms['fused']:.1f}x; {saved:.2f} ms a "
+                f"step saved over {layers} layers)",
+                flush=True,
+            )
+        return
     model = args.model or build_bench_model(default_model_dir())
     print(f"machine: {machine()}", flush=True)
     modes = ["0", "1"] if args.compare_fused else [os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1")]

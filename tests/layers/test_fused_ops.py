@@ -83,3 +83,23 @@ def test_rotary_rejects_positions_outside_the_table() -> None:
     q, k = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="rotary table"):
         cpu_fused.rotary_neox(torch.tensor([8]), q, k, rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(monkeypatch, dtype) -> None:
+    from pagedllm.layers.activation import SiluAndMul
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 2 * 40, dtype=dtype) * 8  # wide enough to reach exp's far range
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    with torch.inference_mode():
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
+        want = SiluAndMul()(x)
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+        calls = []
+        real = cpu_fused.silu_and_mul
+        monkeypatch.setattr(cpu_fused, "silu_and_mul", lambda t: calls.append(1) or real(t))
+        got = SiluAndMul()(x)
+    assert calls == [1]
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else _tol(dtype)
+    torch.testing.assert_close(got, want, **tol)

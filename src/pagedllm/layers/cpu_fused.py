@@ -78,3 +78,8 @@ def rotary_neox(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hk, D] rotated into new contiguous tensors."""
     return torch.ops.pagedllm_fused.rotary_neox(positions, q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [T, 2 * d] = [gate | up] -> [T, d]."""
+    return torch.ops.pagedllm_fused.silu_and_mul(x)
