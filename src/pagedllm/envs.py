@@ -72,3 +72,9 @@ def PAGEDLLM_CPU_NATIVE_ARCH() -> bool:  # noqa: N802
 def TRITON_INTERPRET() -> bool:  # noqa: N802 - Triton's own variable, read here too
     """Triton runs kernels in its CPU interpreter (tests of the GPU kernels without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def PAGEDLLM_SPLIT_REPLY_TIMEOUT() -> float:  # noqa: N802
+    """Seconds the edge of a split waits for a tier's reply to one step before it declares
+    the link lost (fails the running requests, reconnects on a later step)."""
+    return float(os.environ.get("PAGEDLLM_SPLIT_REPLY_TIMEOUT", "60"))

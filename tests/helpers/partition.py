@@ -9,9 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.ci import unavailable as ci_unavailable
 from pagedllm.config import EngineArgs
-from pagedllm.partition import DeviceProfile, GraphPartitioner, LinkProfile
+from pagedllm.partition import DeviceProfile, GraphPartitioner, LinkProfile, netem
 from pagedllm.partition.graph import graph_for_model
+from pagedllm.partition.netem import DelayProxy, EmulatedNetwork
 from pagedllm.partition.runtime import CloudWorker
 
 CPU = DeviceProfile("cpu", {"float32": 5e10}, 1e10, 8 << 30)
@@ -37,12 +39,18 @@ class Worker:
 
 
 def launch_worker(
-    model_dir: Path, plan: Path, *extra: str, address: str = "127.0.0.1:0", via_serve: bool = False
+    model_dir: Path,
+    plan: Path,
+    *extra: str,
+    address: str = "127.0.0.1:0",
+    via_serve: bool = False,
+    prefix: tuple[str, ...] = (),
 ):
     """Start a cloud worker process (split-worker, or serve --role cloud); ready() waits for
     its address."""
     command = ["serve", "--role", "cloud"] if via_serve else ["split-worker", "--threads", "1"]
     cmd = [
+        *prefix,
         sys.executable,
         "-m",
         "pagedllm.entrypoints.cli",
@@ -96,3 +104,36 @@ def inprocess_cloud(model_dir: Path, plan: Path, address: str = "127.0.0.1:0"):
         yield cloud, server
     finally:
         server.stop()
+
+
+@dataclass
+class Link:
+    """A cloud worker behind an emulated link: the edge connects to ``address`` (the
+    delaying proxy on loopback), which reaches the worker over the namespaces' veth."""
+
+    address: str
+    proxy: DelayProxy
+    network: EmulatedNetwork
+    worker: Worker
+
+
+@contextlib.contextmanager
+def emulated_link(
+    model_dir: Path, plan: Path, *extra: str, rate_mbit: float = 1000.0, rtt_ms: float = 0.0
+):
+    """A worker in a namespace of its own, behind tbf and the delaying proxy; everything is
+    torn down afterwards, whatever happens. Skips (fails under CI=true) without namespaces."""
+    reason = netem.unavailable()
+    if reason is not None:
+        ci_unavailable(f"emulated network: {reason}")
+    with EmulatedNetwork(rate_mbit) as net:
+        proc = launch_worker(
+            model_dir, plan, *extra, address=f"{net.cloud_ip}:0", prefix=tuple(net.exec_prefix())
+        )
+        try:
+            worker = ready(proc)
+            with DelayProxy(worker.address, net.edge_ns, rtt_ms=rtt_ms) as proxy:
+                yield Link(proxy.address, proxy, net, worker)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)

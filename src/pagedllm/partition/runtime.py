@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig, PartitionConfig
 from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.outputs import Logprob, TokenLogprobs
@@ -131,7 +133,9 @@ class SplitExecutor(Executor):
     def _hello(self, num_blocks: int, connect_timeout_s: float) -> int:
         """Open a session: the cloud sizes its cache to at most num_blocks; returns its count."""
         self._drop_session()
-        self.client = TierClient(self.partition.address, connect_timeout_s)
+        self.client = TierClient(
+            self.partition.address, connect_timeout_s, envs.PAGEDLLM_SPLIT_REPLY_TIMEOUT()
+        )
         reply, _ = self.client.exchange(
             {
                 "kind": "hello",
@@ -162,7 +166,7 @@ class SplitExecutor(Executor):
 
     def _reconnect(self) -> None:
         try:
-            got = self._hello(self.num_blocks, RECONNECT_TIMEOUT_S)
+            got = self._hello_retrying()
             if got != self.num_blocks:
                 raise RemoteError(
                     f"the cloud worker at {self.partition.address} now has room for {got} KV "
@@ -171,6 +175,18 @@ class SplitExecutor(Executor):
         except (PeerLostError, RemoteError) as e:
             self._drop_session()
             raise ExecutorLostError(str(e)) from None
+
+    def _hello_retrying(self) -> int:
+        """Hello again; a worker still closing the session a lost link cut answers busy
+        for a moment, so that answer is retried until RECONNECT_TIMEOUT_S."""
+        deadline = time.monotonic() + RECONNECT_TIMEOUT_S
+        while True:
+            try:
+                return self._hello(self.num_blocks, RECONNECT_TIMEOUT_S)
+            except PeerLostError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _drop_session(self) -> None:
         if self.client is not None:
