@@ -118,22 +118,36 @@ class Link:
 
 
 @contextlib.contextmanager
-def emulated_link(
-    model_dir: Path, plan: Path, *extra: str, rate_mbit: float = 1000.0, rtt_ms: float = 0.0
-):
-    """A worker in a namespace of its own, behind tbf and the delaying proxy; everything is
-    torn down afterwards, whatever happens. Skips (fails under CI=true) without namespaces."""
+def emulated_network(rate_mbit: float = 1000.0):
+    """Two namespaces joined by a shaped veth pair, deleted afterwards whatever happens.
+    Skips (fails under CI=true) where namespaces cannot be made."""
     reason = netem.unavailable()
     if reason is not None:
         ci_unavailable(f"emulated network: {reason}")
     with EmulatedNetwork(rate_mbit) as net:
-        proc = launch_worker(
-            model_dir, plan, *extra, address=f"{net.cloud_ip}:0", prefix=tuple(net.exec_prefix())
-        )
-        try:
-            worker = ready(proc)
-            with DelayProxy(worker.address, net.edge_ns, rtt_ms=rtt_ms) as proxy:
-                yield Link(proxy.address, proxy, net, worker)
-        finally:
-            proc.kill()
-            proc.wait(timeout=30)
+        yield net
+
+
+@contextlib.contextmanager
+def worker_behind(net: EmulatedNetwork, model_dir: Path, plan: Path, *extra: str, rtt_ms=0.0):
+    """A cloud worker in the network's cloud namespace behind its own delaying proxy."""
+    proc = launch_worker(
+        model_dir, plan, *extra, address=f"{net.cloud_ip}:0", prefix=tuple(net.exec_prefix())
+    )
+    try:
+        worker = ready(proc)
+        with DelayProxy(worker.address, net.edge_ns, rtt_ms=rtt_ms) as proxy:
+            yield Link(proxy.address, proxy, net, worker)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def emulated_link(
+    model_dir: Path, plan: Path, *extra: str, rate_mbit: float = 1000.0, rtt_ms: float = 0.0
+):
+    """One cloud worker across an emulated network of its own."""
+    with emulated_network(rate_mbit) as net:
+        with worker_behind(net, model_dir, plan, *extra, rtt_ms=rtt_ms) as link:
+            yield link

@@ -100,6 +100,38 @@ class PartitionPlan:
     feasible: bool
     message: str  # why no plan meets the constraints ("" when one does)
     candidates: tuple[CutEstimate, ...] = field(default=(), compare=False, repr=False)
+    margin: float = 0.0  # scores within this fraction of the best are ties
+
+    def why_not(self) -> list[str]:
+        """Per candidate other than the chosen one, why it lost."""
+        c = self.chosen
+        lines = []
+        for other in self.candidates:
+            if other.cuts == c.cuts:
+                continue
+            cut = f"cut {', '.join(map(str, other.cuts))}"
+            failing = [k.describe() for k in other.checks if not k.holds]
+            if failing:
+                lines.append(f"{cut}: {'; '.join(failing)}")
+                continue
+            if self.strategy == "latency_aware":
+                delta = other.decode_latency_ms / c.decode_latency_ms - 1
+                what = f"{other.decode_latency_ms:.2f} ms/token ({delta:+.1%})"
+            else:
+                delta = c.pipelined_tokens_per_s / other.pipelined_tokens_per_s - 1
+                what = f"{other.pipelined_tokens_per_s:.1f} tok/s pipelined ({-delta:+.1%})"
+            if delta <= self.margin:
+                lines.append(
+                    f"{cut}: {what}, within the {self.margin:.0%} margin: a tie, "
+                    "broken toward the plan in use or the fewest layers on the edge"
+                )
+            else:
+                slowest = max(other.tiers, key=lambda t: t.decode_ms)
+                lines.append(
+                    f"{cut}: {what}; its slowest tier {slowest.device} "
+                    f"{slowest.decode_ms:.2f} ms/step"
+                )
+        return lines
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -170,6 +202,9 @@ class PartitionPlan:
         lines += [("  ok    " if k.holds else "  FAIL  ") + k.describe() for k in c.checks]
         if not self.feasible:
             lines += ["", f"no plan meets the constraints: {self.message}"]
+        others = self.why_not()
+        if others:
+            lines += ["", "other placements:"] + [f"  {line}" for line in others]
         return "\n".join(lines)
 
 

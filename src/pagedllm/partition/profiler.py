@@ -9,13 +9,20 @@ with forward hooks, plus the parts of a step outside the model (schedule, prepar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.partition.profiles import DeviceProfile, LayerTimings, LinkProfile
+from pagedllm.partition.profiles import (
+    DecodePoint,
+    DeviceProfile,
+    LayerTimings,
+    LinkProfile,
+    PrefillPoint,
+)
 
 __all__ = [
     "DeviceProfile",
@@ -187,8 +194,9 @@ def _decode_steps(
     from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"decode-{i}", _random_prompt(engine, context, gen), params)
+    ids = [f"decode-{batch}-{context}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, _random_prompt(engine, context, gen), params)
     scheduler = engine.scheduler
     while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
         _timed_step(engine, timer, sync)
@@ -200,7 +208,7 @@ def _decode_steps(
         start = time.perf_counter()
         engine.step()
         outside.append(time.perf_counter() - start - sum(timer.totals))
-    engine.abort_request([f"decode-{i}" for i in range(batch)])
+    engine.abort_request(ids)
     return decode, outside
 
 
@@ -210,12 +218,25 @@ def _prefill_steps(
     from pagedllm.sampling_params import SamplingParams
 
     nodes = []
-    for i in range(3):
+    for i in range(4):
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        engine.add_request(f"prefill-{i}", _random_prompt(engine, prompt, gen), params)
+        rid = f"prefill-{prompt}-{i}"
+        engine.add_request(rid, _random_prompt(engine, prompt, gen), params)
         nodes.append(_timed_step(engine, timer, sync).nodes)
-        engine.abort_request(f"prefill-{i}")
+        engine.abort_request(rid)
     return nodes
+
+
+def default_settings(
+    batch: int, context: int, prompt: int
+) -> tuple[list[int], list[int], list[int]]:
+    """The short profile's settings around the planned one: two batch sizes and two
+    context lengths for decode (enough to fit fixed + per-token + attention costs), three
+    prompt lengths for prefill."""
+    batches = sorted({batch, 2 * batch + 2})
+    contexts = sorted({max(4, context // 4), context})
+    prompts = sorted({max(4, prompt // 4), max(4, prompt // 2), prompt})
+    return batches, contexts, prompts
 
 
 def measure_layer_timings(
@@ -226,8 +247,11 @@ def measure_layer_timings(
     prompt_len: int = 128,
     steps: int = 8,
     threads: int | None = None,
+    settings: tuple[list[int], list[int], list[int]] | None = None,
 ) -> LayerTimings:
-    """Run the model on this machine and time every graph node, decode and prefill.
+    """Run the model on this machine and time every graph node, decode and prefill, at the
+    planned setting and the short profile's others (``settings``: batches, contexts and
+    prompt lengths; default ``default_settings``).
 
     The model runs on a thread of its own, as in a deployment (the server's engine thread,
     the cloud worker's RPC thread): on a busy machine, intra-op threads started from the
@@ -237,10 +261,20 @@ def measure_layer_timings(
 
     if threads is not None:
         torch.set_num_threads(threads)
+    settings = settings or default_settings(batch_size, context_len, prompt_len)
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(
-            _measure, engine_args, device_name, batch_size, context_len, prompt_len, steps
-        ).result()
+        timings = pool.submit(
+            _measure, engine_args, device_name, batch_size, context_len, prompt_len, steps,
+            settings,
+        ).result()  # fmt: skip
+    return dataclasses.replace(timings, threads=torch.get_num_threads())
+
+
+def _decode_point(decode: list[_StepTimes], outside: list[float], b: int, c: int) -> DecodePoint:
+    prepare = _lower_quartile([[s.prepare] for s in decode])[0]
+    sample = _lower_quartile([[s.sample] for s in decode])[0]
+    engine = max(0.0, _lower_quartile([[x] for x in outside])[0] - prepare - sample)
+    return DecodePoint(b, c, _lower_quartile([s.nodes for s in decode]), prepare, sample, engine)
 
 
 def _measure(
@@ -250,32 +284,46 @@ def _measure(
     context_len: int,
     prompt_len: int,
     steps: int,
+    settings: tuple[list[int], list[int], list[int]],
 ) -> LayerTimings:
     import torch
 
-    engine = _profiling_engine(engine_args, batch_size, context_len, prompt_len, steps)
+    batches, contexts, prompts = settings
+    batches = sorted({*batches, batch_size})
+    contexts = sorted({*contexts, context_len})
+    prompts = sorted({*prompts, prompt_len})
+    engine = _profiling_engine(engine_args, max(batches), max(contexts), max(prompts), steps)
     runner = engine.executor.local_runner
     model, dev = runner.model, runner.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     nodes = [[model.model.embed_tokens], *[[x] for x in model.model.layers]]
     timer = _NodeTimer([*nodes, [model.model.norm, model.lm_head]], sync)
     gen = torch.Generator().manual_seed(0)
+    points, prefills = [], []
     try:
-        decode, outside = _decode_steps(engine, timer, sync, batch_size, context_len, steps, gen)
-        prefill = _prefill_steps(engine, timer, sync, prompt_len, gen)
+        for b in batches:
+            for c in contexts:
+                decode, outside = _decode_steps(engine, timer, sync, b, c, steps, gen)
+                points.append(_decode_point(decode, outside, b, c))
+        for p in prompts:
+            prefills.append(
+                PrefillPoint(p, _lower_quartile(_prefill_steps(engine, timer, sync, p, gen)))
+            )
     finally:
         timer.remove()
         engine.shutdown()
-    prepare = _lower_quartile([[s.prepare] for s in decode])[0]
-    sample = _lower_quartile([[s.sample] for s in decode])[0]
+    ref = next(p for p in points if (p.batch, p.context) == (batch_size, context_len))
+    ref_prefill = next(p for p in prefills if p.prompt == prompt_len)
     return LayerTimings(
         device=device_name,
         batch_size=batch_size,
         context_len=context_len,
         prompt_len=prompt_len,
-        decode_s=_lower_quartile([s.nodes for s in decode]),
-        prefill_s=_lower_quartile(prefill),
-        prepare_s=prepare,
-        sample_s=sample,
-        engine_s=max(0.0, _lower_quartile([[x] for x in outside])[0] - prepare - sample),
+        decode_s=ref.nodes,
+        prefill_s=ref_prefill.nodes,
+        prepare_s=ref.prepare,
+        sample_s=ref.sample,
+        engine_s=ref.engine,
+        decode_points=tuple(points),
+        prefill_points=tuple(prefills),
     )

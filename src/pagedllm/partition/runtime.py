@@ -236,6 +236,22 @@ class SplitExecutor(Executor):
             raise ExecutorLostError(str(e)) from None
         return output_from_wire(reply)
 
+    def ping_ms(self, repeats: int = 20, payload_bytes: int = 0) -> list[float]:
+        """Round trips of an empty step to the cloud over the real path (RTT plus the
+        transport's own cost per exchange), in ms, sorted."""
+        if self.client is None:
+            self._reconnect()
+        assert self.client is not None
+        payload = {}
+        if payload_bytes:
+            payload = {"hidden": torch.zeros(max(1, payload_bytes // 4), dtype=torch.float32)}
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.client.exchange({"kind": "ping"}, payload)
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)
+
     @property
     def local_runner(self) -> ModelRunner:
         return self.runner
@@ -258,6 +274,8 @@ class CloudWorker:
         with self._lock:
             if meta["kind"] == "hello":
                 return self._hello(meta), {}
+            if meta["kind"] == "ping":  # the edge measuring the link: answer at once
+                return {}, {}
             return output_to_wire(self._step(meta, tensors)), {}
 
     def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
