@@ -80,6 +80,15 @@ def _add_partition(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evaluate this cut only instead of choosing one (one per link)",
     )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.05,
+        help="placements within this fraction of the best are ties (default 0.05)",
+    )
+    p.add_argument(
+        "--previous", default=None, help="the plan in use: its cut is kept while it ties"
+    )
     p.add_argument("--output", "-o", default=None, help="write the plan JSON here")
     p.add_argument("--plot", default=None, help="draw latency/throughput per cut to FILE")
 
@@ -98,8 +107,20 @@ def _partition(ns: argparse.Namespace) -> int:
         for name in ("max_edge_latency", "min_cloud_throughput", "max_edge_memory")
         if getattr(ns, name) is not None
     }
+    previous = None
+    if ns.previous:
+        from pagedllm.partition import PartitionPlan
+
+        previous = PartitionPlan.load(ns.previous).cuts
     partitioner = GraphPartitioner(
-        ns.strategy, constraints, ns.batch_size, ns.context_len, ns.prompt_len, ns.wire_dtype
+        ns.strategy,
+        constraints,
+        ns.batch_size,
+        ns.context_len,
+        ns.prompt_len,
+        ns.wire_dtype,
+        margin=ns.margin,
+        previous=previous,
     )
     links = ns.link[0] if len(ns.link) == 1 else ns.link
     plan = partitioner.analyze(graph, devices, links, cuts=ns.cut)
