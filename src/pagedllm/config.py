@@ -130,6 +130,7 @@ class PartitionConfig:
     plan: str  # path of the PartitionPlan JSON
     role: str  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest + head)
     address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
+    pipeline_depth: int = 1  # edge: engine steps (micro-batches) in flight across the tiers
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class EngineArgs:
     partition: str | None = None  # PartitionPlan JSON: run one tier of an edge/cloud split
     partition_role: str = "edge"
     partition_address: str | None = None
+    partition_pipeline_depth: int = 1
     quant_exclude: list[str] | None = None  # module names / patterns left unquantized
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
@@ -260,7 +262,16 @@ class EngineArgs:
             raise ValueError(
                 f"partition_role must be 'edge' or 'cloud', got {self.partition_role!r}."
             )
-        return PartitionConfig(self.partition, self.partition_role, self.partition_address)
+        if self.partition_pipeline_depth < 1:
+            raise ValueError(
+                f"partition_pipeline_depth must be at least 1, got {self.partition_pipeline_depth}."
+            )
+        return PartitionConfig(
+            self.partition,
+            self.partition_role,
+            self.partition_address,
+            self.partition_pipeline_depth,
+        )
 
     def _verify(self) -> None:
         if not isinstance(self.model, str) or not self.model:

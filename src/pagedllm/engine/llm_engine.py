@@ -6,6 +6,7 @@ import copy
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,6 +48,7 @@ class LLMEngine:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
         self.extra_stop_ids = stop_token_ids_from_generation_config(config.model.model)
         self.executor = create_executor(config)
+        self._in_flight: deque[tuple[SchedulerOutput, object, IterationStats]] = deque()
         self.kv_cache = self.executor.initialize_cache()  # the one record of the cache's layout
         self.block_manager = BlockManager(
             self.kv_cache.num_blocks, self.kv_cache.block_size, config.cache.enable_prefix_caching
@@ -185,6 +187,8 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, detokenize; returns updates."""
+        if self.executor.pipeline_depth > 1:
+            return self._step_pipelined()
         sched_out = self.scheduler.schedule()
         iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
         if sched_out.is_empty:
@@ -207,6 +211,44 @@ class LLMEngine:
             logger.exception("model step failed; failing the requests in it")
             failed = {item.seq.request_id for item in sched_out.scheduled}
             return self._fail_requests(failed, f"model step failed: {e}", iteration)
+        updated = self.scheduler.update(sched_out, model_out.sampled)
+        outputs = self._process(sched_out, model_out, updated, iteration)
+        self._record(iteration)
+        return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """With an executor that keeps several steps in flight (a pipelined split): submit
+        a micro-batch of the sequences not in flight, then finish the oldest step. Each
+        micro-batch holds about 1/depth of the active sequences, so while one tier runs
+        micro-batch i the one before it runs micro-batch i+1."""
+        depth = self.executor.pipeline_depth
+        held = frozenset(i.seq.seq_id for out, _, _ in self._in_flight for i in out.scheduled)
+        active = len(self.scheduler.running) + len(self.scheduler.waiting)
+        sched_out = self.scheduler.schedule(held, max(1, -(-active // depth)))
+        if not sched_out.is_empty:
+            iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
+            now = time.time()
+            for item in sched_out.scheduled:
+                if item.seq.timings.first_scheduled is None:
+                    item.seq.timings.first_scheduled = now
+            try:
+                handle = self.executor.submit(sched_out)
+            except ExecutorLostError as e:
+                self._in_flight.clear()
+                return self._fail_running(str(e), iteration)
+            self._in_flight.append((sched_out, handle, iteration))
+            if len(self._in_flight) < depth and len(held) + len(sched_out.scheduled) < active:
+                return []  # filling the pipeline
+        if not self._in_flight:
+            return []
+        sched_out, handle, iteration = self._in_flight.popleft()
+        try:
+            model_out = self.executor.collect(handle)
+        except ExecutorLostError as e:
+            self._in_flight.clear()
+            return self._fail_running(str(e), iteration)
+        # a sequence aborted while its step was in flight is already gone
+        sched_out.scheduled = [i for i in sched_out.scheduled if not i.seq.is_finished]
         updated = self.scheduler.update(sched_out, model_out.sampled)
         outputs = self._process(sched_out, model_out, updated, iteration)
         self._record(iteration)

@@ -129,6 +129,8 @@ class SplitExecutor(Executor):
         self.client: TierClient | None = None
         self.num_blocks = 0
         self._synced: dict[int, int] = {}  # seq_id -> tokens of it the cloud holds
+        self.outstanding = 0  # steps sent and not yet answered
+        self.max_outstanding = 0  # the most at once: > 1 when the tiers pipelined
 
     def _hello(self, num_blocks: int, connect_timeout_s: float) -> int:
         """Open a session: the cloud sizes its cache to at most num_blocks; returns its count."""
@@ -189,6 +191,7 @@ class SplitExecutor(Executor):
                 time.sleep(0.05)
 
     def _drop_session(self) -> None:
+        self.outstanding = 0
         if self.client is not None:
             self.client.close()
         self.client = None
@@ -222,6 +225,15 @@ class SplitExecutor(Executor):
         return rows
 
     def execute_model(self, out: SchedulerOutput) -> ModelOutput:
+        return self.collect(self.submit(out))
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.partition.pipeline_depth
+
+    def submit(self, out: SchedulerOutput) -> object:
+        """Run this tier's layers for the step and send it on without waiting: with
+        pipeline_depth > 1 the engine submits the next micro-batch while the cloud works."""
         if self.client is None:
             self._reconnect()
         assert self.client is not None
@@ -230,7 +242,20 @@ class SplitExecutor(Executor):
         tensors = encode_hidden(self.runner.forward(inp), self.tier.wire_dtype)
         meta = {"kind": "step", "seqs": self._layout(out), "release": released}
         try:
-            reply, _ = self.client.exchange(meta, tensors)
+            self.client.send(meta, tensors)
+        except (PeerLostError, RemoteError) as e:
+            self._drop_session()
+            raise ExecutorLostError(str(e)) from None
+        self.outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        return self.client
+
+    def collect(self, handle: object) -> ModelOutput:
+        if handle is not self.client or self.client is None:
+            raise ExecutorLostError("the session this step was sent on is gone")
+        self.outstanding -= 1
+        try:
+            reply, _ = self.client.receive()
         except (PeerLostError, RemoteError) as e:
             self._drop_session()
             raise ExecutorLostError(str(e)) from None

@@ -154,7 +154,16 @@ class TierClient:
         self._finalizer = weakref.finalize(self, _end_session, self._outbox, self._channel)
 
     def exchange(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        self.send(meta, tensors)
+        return self.receive()
+
+    def send(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Queue one message; replies come back in order (receive), so several may be in
+        flight: the other tier works on one while this one prepares the next."""
         self._outbox.put(pack(meta, tensors))
+
+    def receive(self) -> Message:
+        """The reply to the oldest message sent and not yet answered."""
         # A link that drops everything leaves the socket open and silent: keepalive would
         # notice only after its timeouts, so a reply that is this late ends the session.
         timer = None
