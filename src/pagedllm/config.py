@@ -258,9 +258,11 @@ class EngineArgs:
     def _partition_config(self) -> PartitionConfig | None:
         if self.partition is None:
             return None
-        if self.partition_role not in ("edge", "cloud"):
+        role = self.partition_role
+        if role not in ("edge", "cloud") and not (role[:4] == "tier" and role[4:].isdigit()):
             raise ValueError(
-                f"partition_role must be 'edge' or 'cloud', got {self.partition_role!r}."
+                f"partition_role must be 'edge', 'cloud' or 'tierN' (a tier in between), "
+                f"got {role!r}."
             )
         if self.partition_pipeline_depth < 1:
             raise ValueError(

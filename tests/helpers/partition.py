@@ -19,11 +19,15 @@ from pagedllm.partition.runtime import CloudWorker
 CPU = DeviceProfile("cpu", {"float32": 5e10}, 1e10, 8 << 30)
 
 
-def make_plan(model_dir: Path, cut: int, path: Path, wire_dtype: str = "float32") -> Path:
-    """A plan JSON for a fixed cut (the runtime only reads the cut and the wire dtype)."""
+def make_plan(
+    model_dir: Path, cut: int | list[int], path: Path, wire_dtype: str = "float32"
+) -> Path:
+    """A plan JSON for fixed cut(s) (the runtime only reads the cuts and the wire dtype)."""
+    cuts = [cut] if isinstance(cut, int) else list(cut)
     graph = graph_for_model(str(model_dir), "float32")
     partitioner = GraphPartitioner(wire_dtype=wire_dtype)
-    partitioner.analyze(graph, [CPU, CPU], LinkProfile(1000, 1), cuts=[cut]).save(path)
+    devices = [CPU] * (len(cuts) + 1)
+    partitioner.analyze(graph, devices, LinkProfile(1000, 1), cuts=cuts).save(path)
     return path
 
 
@@ -87,18 +91,25 @@ def ready(proc: subprocess.Popen, timeout: float = 120.0) -> Worker:
 
 
 @contextlib.contextmanager
-def inprocess_cloud(model_dir: Path, plan: Path, address: str = "127.0.0.1:0"):
-    """A cloud worker served from this process (same gRPC path, no process start-up)."""
+def inprocess_cloud(
+    model_dir: Path,
+    plan: Path,
+    address: str = "127.0.0.1:0",
+    role: str = "cloud",
+    next_address: str | None = None,
+):
+    """A worker served from this process (same gRPC path, no process start-up): the cloud,
+    or with role "tierN" and next_address a tier in between."""
     args = EngineArgs(
         model=str(model_dir),
         partition=str(plan),
-        partition_role="cloud",
+        partition_role=role,
         partition_address=address,
         dtype="float32",
         block_size=4,
         kv_cache_memory_bytes=1 << 20,
     )
-    cloud = CloudWorker(args.create_engine_config())
+    cloud = CloudWorker(args.create_engine_config(), next_address)
     server = cloud.serve()
     try:
         yield cloud, server

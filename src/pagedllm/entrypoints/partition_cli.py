@@ -176,23 +176,32 @@ def _profile(ns: argparse.Namespace) -> int:
 
 # ---- split-worker (the cloud tier) ---------------------------------------------------------
 def run_cloud_worker(
-    args: EngineArgs, emulate: LinkProfile | None = None, threads: int | None = None
+    args: EngineArgs,
+    emulate: LinkProfile | None = None,
+    threads: int | None = None,
+    tier: int | None = None,
+    next_address: str | None = None,
 ) -> int:
-    """Serve the cloud tier of args.partition until interrupted."""
+    """Serve a tier after the edge (the last one, or ``tier``) of args.partition until
+    interrupted."""
     import torch
 
+    from pagedllm.partition.plan import PartitionPlan
     from pagedllm.partition.runtime import CloudWorker
 
     if args.partition is None:
         raise ValueError("the cloud tier needs --partition PLAN.json")
     if threads is not None:
         torch.set_num_threads(threads)
-    args = dataclasses.replace(args, partition_role="cloud")
-    worker = CloudWorker(args.create_engine_config())
+    num_tiers = len(PartitionPlan.load(args.partition).cuts) + 1
+    role = "cloud" if tier is None or tier == num_tiers - 1 else f"tier{tier}"
+    args = dataclasses.replace(args, partition_role=role)
+    worker = CloudWorker(args.create_engine_config(), next_address)
     server = worker.serve(emulate)
     start, end = worker.tier.layers
+    what = "+ head" if worker.tier.is_last else f"-> {next_address}"
     print(
-        f"split worker (layers [{start}, {end}) + head) listening on {server.address}", flush=True
+        f"split worker (layers [{start}, {end}) {what}) listening on {server.address}", flush=True
     )
     try:
         server.wait()
@@ -210,10 +219,22 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
         help="add a link's delay to every exchange: BANDWIDTH,RTT, e.g. 100mbit,20ms",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument(
+        "--tier",
+        type=int,
+        default=None,
+        help="this worker's position in a chain of more than two tiers (1 = after the edge; "
+        "default: the last)",
+    )
+    p.add_argument(
+        "--next-address", default=None, help="a tier in between: the next tier's HOST:PORT"
+    )
 
 
 def _worker(ns: argparse.Namespace) -> int:
-    return run_cloud_worker(engine_args_from(ns), ns.emulate_link, ns.threads)
+    return run_cloud_worker(
+        engine_args_from(ns), ns.emulate_link, ns.threads, ns.tier, ns.next_address
+    )
 
 
 _COMMANDS = {

@@ -210,29 +210,49 @@ class PartitionPlan:
 
 @dataclass(frozen=True)
 class TierSetting:
-    """What one process of a two-tier split runs, read from its plan."""
+    """What one process of a split runs, read from its plan."""
 
-    role: str  # "edge" | "cloud"
-    cut: int  # the first layer the cloud runs
+    role: str  # "edge" | "cloud" | "tierN" (a tier in between, N = its index in the chain)
+    cut: int  # edge: the first layer the next tier runs; others: this tier's first layer
     layers: tuple[int, int]  # this tier's decoder layers [start, end)
     wire_dtype: str  # hidden states on the wire
+    index: int = 0  # position in the chain (0 = edge)
+    num_tiers: int = 2
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_tiers - 1
+
+
+def tier_index(role: str, num_tiers: int) -> int:
+    """The chain position of a role: edge 0, cloud the last, tierN N."""
+    if role == "edge":
+        return 0
+    if role == "cloud":
+        return num_tiers - 1
+    if role.startswith("tier") and role[4:].isdigit() and 0 < int(role[4:]) < num_tiers:
+        return int(role[4:])
+    raise ValueError(f"partition role {role!r} is not a tier of a {num_tiers}-tier plan.")
 
 
 def load_tier(plan_path: str, role: str, num_layers: int) -> TierSetting:
-    """The tier `role` of the two-tier plan at plan_path, checked against the model."""
+    """The tier `role` of the plan at plan_path, checked against the model."""
     plan = PartitionPlan.load(plan_path)
-    if len(plan.cuts) != 1 or not 0 < plan.cuts[0] < num_layers:
+    cuts = list(plan.cuts)
+    if not cuts or cuts != sorted(set(cuts)) or not 0 < cuts[0] <= cuts[-1] < num_layers:
         raise ValueError(
-            f"partition plan {plan_path!r} has cuts {list(plan.cuts)}; the runtime runs "
-            f"two tiers, one cut in [1, {num_layers - 1}]."
+            f"partition plan {plan_path!r} has cuts {cuts}; each must lie in "
+            f"[1, {num_layers - 1}], increasing."
         )
     if plan.num_layers != num_layers:
         raise ValueError(
             f"partition plan {plan_path!r} is for {plan.num_layers} layers, the model "
             f"has {num_layers}."
         )
-    layers = plan.layer_range(0 if role == "edge" else -1)
-    return TierSetting(role, plan.cuts[0], layers, plan.wire_dtype)
+    index = tier_index(role, len(cuts) + 1)
+    layers = plan.layer_range(index)
+    cut = layers[1] if index == 0 else layers[0]
+    return TierSetting(role, cut, layers, plan.wire_dtype, index, len(cuts) + 1)
 
 
 def _cut_from_dict(data: dict[str, Any]) -> CutEstimate:

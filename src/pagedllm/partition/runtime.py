@@ -111,8 +111,8 @@ def tier_runner(
 ) -> tuple[PartitionConfig, TierSetting, ModelRunner]:
     """Read this process's tier from the plan and build a model runner for its layers."""
     partition = config.partition
-    assert partition is not None and partition.role == role
-    tier = load_tier(partition.plan, role, config.model.num_layers)
+    assert partition is not None and (partition.role == role or role == "receiver")
+    tier = load_tier(partition.plan, partition.role, config.model.num_layers)
     model = dataclasses.replace(config.model, layer_range=tier.layers)
     return partition, tier, ModelRunner(model, config.cache, config.scheduler, config.device)
 
@@ -287,10 +287,22 @@ class SplitExecutor(Executor):
 
 # ---- the cloud -----------------------------------------------------------------------------
 class CloudWorker:
-    """The last tier: layers [k, L) + head over mirrored sequences, served to one edge."""
+    """A tier after the edge, served to one edge (or the tier before it) at a time: layers
+    [k, L) + head over mirrored sequences when it is the last tier; layers [k1, k2) when
+    it is a tier in between, which hands each step on to ``next_address`` and returns
+    that tier's reply (a chain edge -> gateway -> cloud)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.partition, self.tier, self.runner = tier_runner(config, "cloud")
+    def __init__(self, config: EngineConfig, next_address: str | None = None) -> None:
+        self.partition, self.tier, self.runner = tier_runner(config, "receiver")
+        if self.tier.index == 0:
+            raise ValueError("the edge tier runs the engine (SplitExecutor), not a worker.")
+        if not self.tier.is_last and next_address is None:
+            raise ValueError(
+                f"tier {self.tier.index} of {self.tier.num_tiers} hands its steps on: give "
+                "the next tier's address (--next-address)."
+            )
+        self.next_address = next_address
+        self.next: TierClient | None = None
         self.max_blocks = self.runner.plan_kv_cache().num_blocks
         self.seqs: dict[int, Sequence] = {}  # seq_id -> mirror of the edge's sequence
         self._lock = threading.Lock()
@@ -301,6 +313,8 @@ class CloudWorker:
                 return self._hello(meta), {}
             if meta["kind"] == "ping":  # the edge measuring the link: answer at once
                 return {}, {}
+            if not self.tier.is_last:
+                return self._forward_step(meta, tensors)
             return output_to_wire(self._step(meta, tensors)), {}
 
     def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -312,12 +326,30 @@ class CloudWorker:
         }
         for key, value in expected.items():
             if meta[key] != value:
-                raise ValueError(f"the edge has {key}={meta[key]}, this cloud worker {value}")
+                raise ValueError(f"the edge has {key}={meta[key]}, this worker {value}")
         num_blocks = min(int(meta["num_blocks"]), self.max_blocks)
         self.close()
+        if not self.tier.is_last:  # the tiers after this one agree on the count too
+            assert self.next_address is not None
+            self.next = TierClient(
+                self.next_address, RECONNECT_TIMEOUT_S, envs.PAGEDLLM_SPLIT_REPLY_TIMEOUT()
+            )
+            reply, _ = self.next.exchange(
+                {**meta, "cut": self.tier.layers[1], "num_blocks": num_blocks}, {}
+            )
+            num_blocks = int(reply["num_blocks"])
         self.runner.ensure_kv_cache(num_blocks)
         logger.info("session open: layers [%d, %d), %d KV blocks", *self._range(), num_blocks)
         return {"num_blocks": num_blocks}
+
+    def _forward_step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+        """A tier in between: run its layers, hand the step on, return the next's reply."""
+        if self.next is None:
+            raise ValueError("no session with the next tier (hello first)")
+        inp = self._prepare(meta)
+        hidden = decode_hidden(tensors, self.runner.dtype, self.runner.device)
+        out = encode_hidden(self.runner.forward(inp, hidden), self.tier.wire_dtype)
+        return self.next.exchange(meta, out)
 
     def _range(self) -> tuple[int, int]:
         return self.tier.layers
@@ -339,13 +371,16 @@ class CloudWorker:
         seq.block_table = table
         return ScheduledSequence(seq, num_new)
 
-    def _step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ModelOutput:
+    def _prepare(self, meta: dict[str, Any]) -> Any:
         for seq_id in meta["release"]:
             self._forget(seq_id)
         scheduled = [self._mirror(row) for row in meta["seqs"]]
         out = SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled))
+        return self.runner.prepare_input(out)
+
+    def _step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ModelOutput:
         runner = self.runner
-        inp = runner.prepare_input(out)
+        inp = self._prepare(meta)
         hidden = decode_hidden(tensors, runner.dtype, runner.device)
         return runner.compute_output(inp, runner.forward(inp, hidden))
 
@@ -354,9 +389,13 @@ class CloudWorker:
             self.runner.release([seq_id])
 
     def close(self) -> None:
-        """The edge went away: forget its sequences (the KV blocks are the edge's to reuse)."""
+        """The edge went away: forget its sequences (the KV blocks are the edge's to reuse)
+        and end the session with the next tier, which then forgets them too."""
         for seq_id in list(self.seqs):
             self._forget(seq_id)
+        if self.next is not None:
+            self.next.close()
+            self.next = None
 
     def serve(self, emulate: LinkProfile | None = None) -> TierServer:
         """A started server for this worker at the partition's address."""
