@@ -29,6 +29,7 @@ from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.outputs import Logprob, TokenLogprobs
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
+from pagedllm.partition.adapt import LinkMonitor
 from pagedllm.partition.plan import TierSetting, load_tier
 from pagedllm.partition.profiles import LinkProfile
 from pagedllm.partition.transport import (
@@ -129,6 +130,7 @@ class SplitExecutor(Executor):
         self.client: TierClient | None = None
         self.num_blocks = 0
         self._synced: dict[int, int] = {}  # seq_id -> tokens of it the cloud holds
+        self.monitor = LinkMonitor()  # per-step edge / remote / link times, for re-planning
         self.outstanding = 0  # steps sent and not yet answered
         self.max_outstanding = 0  # the most at once: > 1 when the tiers pipelined
 
@@ -192,6 +194,7 @@ class SplitExecutor(Executor):
 
     def _drop_session(self) -> None:
         self.outstanding = 0
+        self.monitor.reset()
         if self.client is not None:
             self.client.close()
         self.client = None
@@ -238,9 +241,12 @@ class SplitExecutor(Executor):
             self._reconnect()
         assert self.client is not None
         released = [sid for sid in out.finished_seq_ids if self._synced.pop(sid, None) is not None]
+        start = time.perf_counter()
         inp = self.runner.prepare_input(out)
         tensors = encode_hidden(self.runner.forward(inp), self.tier.wire_dtype)
         meta = {"kind": "step", "seqs": self._layout(out), "release": released}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.monitor.sent(time.perf_counter() - start, nbytes)
         try:
             self.client.send(meta, tensors)
         except (PeerLostError, RemoteError) as e:
@@ -259,6 +265,7 @@ class SplitExecutor(Executor):
         except (PeerLostError, RemoteError) as e:
             self._drop_session()
             raise ExecutorLostError(str(e)) from None
+        self.monitor.received(float(reply.get("compute_ms", 0.0)), 8 * len(reply["sampled"]))
         return output_from_wire(reply)
 
     def ping_ms(self, repeats: int = 20, payload_bytes: int = 0) -> list[float]:
@@ -313,9 +320,12 @@ class CloudWorker:
                 return self._hello(meta), {}
             if meta["kind"] == "ping":  # the edge measuring the link: answer at once
                 return {}, {}
+            start = time.perf_counter()
             if not self.tier.is_last:
-                return self._forward_step(meta, tensors)
-            return output_to_wire(self._step(meta, tensors)), {}
+                return self._forward_step(meta, tensors, start)
+            reply = output_to_wire(self._step(meta, tensors))
+            reply["compute_ms"] = (time.perf_counter() - start) * 1e3
+            return reply, {}
 
     def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
         hf = self.runner.model_config.hf_config
@@ -342,14 +352,19 @@ class CloudWorker:
         logger.info("session open: layers [%d, %d), %d KV blocks", *self._range(), num_blocks)
         return {"num_blocks": num_blocks}
 
-    def _forward_step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
-        """A tier in between: run its layers, hand the step on, return the next's reply."""
+    def _forward_step(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], start: float
+    ) -> Any:
+        """A tier in between: run its layers, hand the step on, return the next's reply
+        (whose compute_ms then covers this tier, the link after it and the tiers after)."""
         if self.next is None:
             raise ValueError("no session with the next tier (hello first)")
         inp = self._prepare(meta)
         hidden = decode_hidden(tensors, self.runner.dtype, self.runner.device)
         out = encode_hidden(self.runner.forward(inp, hidden), self.tier.wire_dtype)
-        return self.next.exchange(meta, out)
+        reply, reply_tensors = self.next.exchange(meta, out)
+        reply["compute_ms"] = (time.perf_counter() - start) * 1e3
+        return reply, reply_tensors
 
     def _range(self) -> tuple[int, int]:
         return self.tier.layers
