@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -348,6 +349,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # SIGTERM runs the clean-up (workers, proxies, namespaces) like Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     models = {"demo": default_model_path(), "bench": str(build_bench_model(default_model_dir()))}
     reason = netem.unavailable()
     network = "namespaces + veth + tbf + delaying proxy"
@@ -363,6 +366,10 @@ def main() -> None:
                 results.setdefault(label, {})[ratio] = bench_ratio(
                     f"{label}-{edge_t}-{cloud_t}", model, edge_t, cloud_t, net, args
                 )
+                # what is done so far, in case a long run is cut short
+                print(report({label: {ratio: results[label][ratio]}}, args, network), flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print()

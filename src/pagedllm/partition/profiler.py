@@ -84,6 +84,9 @@ def profile_device(
     return DeviceProfile(name, flops, bandwidth, capacity, op, torch.get_num_threads())
 
 
+ROUNDS = 3  # the short profile visits every setting this many times, in turn
+
+
 # ---- measured per-layer timings ------------------------------------------------------------
 class _NodeTimer:
     """Forward hooks that add each graph node's wall time to totals[node]."""
@@ -194,7 +197,7 @@ def _decode_steps(
     from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
-    ids = [f"decode-{batch}-{context}-{i}" for i in range(batch)]
+    ids = [f"decode-{batch}-{context}-{i}-{time.perf_counter_ns()}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, _random_prompt(engine, context, gen), params)
     scheduler = engine.scheduler
@@ -213,14 +216,14 @@ def _decode_steps(
 
 
 def _prefill_steps(
-    engine: Any, timer: _NodeTimer, sync: Any, prompt: int, gen: Any
+    engine: Any, timer: _NodeTimer, sync: Any, prompt: int, gen: Any, repeats: int = 4
 ) -> list[list[float]]:
     from pagedllm.sampling_params import SamplingParams
 
     nodes = []
-    for i in range(4):
+    for i in range(repeats):
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        rid = f"prefill-{prompt}-{i}"
+        rid = f"prefill-{prompt}-{i}-{len(engine.requests)}-{time.perf_counter_ns()}"
         engine.add_request(rid, _random_prompt(engine, prompt, gen), params)
         nodes.append(_timed_step(engine, timer, sync).nodes)
         engine.abort_request(rid)
@@ -299,19 +302,26 @@ def _measure(
     nodes = [[model.model.embed_tokens], *[[x] for x in model.model.layers]]
     timer = _NodeTimer([*nodes, [model.model.norm, model.lm_head]], sync)
     gen = torch.Generator().manual_seed(0)
-    points, prefills = [], []
+    settings_bc = [(b, c) for b in batches for c in contexts]
+    decode_runs: dict[tuple[int, int], tuple[list, list]] = {s: ([], []) for s in settings_bc}
+    prefill_runs: dict[int, list] = {p: [] for p in prompts}
+    per_round = max(3, -(-steps // ROUNDS))
     try:
-        for b in batches:
-            for c in contexts:
-                decode, outside = _decode_steps(engine, timer, sync, b, c, steps, gen)
-                points.append(_decode_point(decode, outside, b, c))
-        for p in prompts:
-            prefills.append(
-                PrefillPoint(p, _lower_quartile(_prefill_steps(engine, timer, sync, p, gen)))
-            )
+        # Round robin over the settings: a busy spell of the machine then lands on every
+        # setting alike instead of on whichever was being measured, so the fit's shape (how
+        # time grows with batch and context) is the model's, not the neighbours'.
+        for _ in range(ROUNDS):
+            for b, c in settings_bc:
+                decode, outside = _decode_steps(engine, timer, sync, b, c, per_round, gen)
+                decode_runs[(b, c)][0].extend(decode)
+                decode_runs[(b, c)][1].extend(outside)
+            for p in prompts:
+                prefill_runs[p].extend(_prefill_steps(engine, timer, sync, p, gen, repeats=2))
     finally:
         timer.remove()
         engine.shutdown()
+    points = [_decode_point(*decode_runs[s], *s) for s in settings_bc]
+    prefills = [PrefillPoint(p, _lower_quartile(prefill_runs[p])) for p in prompts]
     ref = next(p for p in points if (p.batch, p.context) == (batch_size, context_len))
     ref_prefill = next(p for p in prefills if p.prompt == prompt_len)
     return LayerTimings(
