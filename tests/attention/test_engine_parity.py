@@ -11,6 +11,7 @@ from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import cpu_kernels
+from pagedllm.attention.cpu_backend import CpuAttentionBackend
 
 BLOCK = 4
 BUDGET = 32  # tokens per step: the 70-token prompt is prefilled in three chunks
@@ -63,5 +64,6 @@ def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "varlen_attention", counted)
+    # the backend holds the kernel as a class attribute, bound when its module was imported
+    monkeypatch.setattr(CpuAttentionBackend, "kernel", staticmethod(counted))
     return calls

@@ -59,9 +59,11 @@ class _WorkPending:
 
     def __init__(self, work: dist.Work, x: torch.Tensor) -> None:
         self.work, self.x = work, x
+        self.waited = False
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
+        self.waited = True
         return self.x
 
 
@@ -70,9 +72,11 @@ class _StreamPending:
 
     def __init__(self, x: torch.Tensor, done: torch.cuda.Event) -> None:
         self.x, self.done = x, done
+        self.waited = False
 
     def wait(self) -> torch.Tensor:
         torch.cuda.current_stream(self.x.device).wait_event(self.done)  # no host sync
+        self.waited = True
         return self.x
 
 
@@ -87,18 +91,40 @@ class OverlapCommunicator(Communicator):
     """
 
     num_async: int = 0  # all-reduces issued through all_reduce_async (tests, statistics)
+    tp_size: int | None = None  # the group's size, as a user names it (sets world_size)
     _side_streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict, repr=False)
+    _pending: list[_WorkPending | _StreamPending] = field(default_factory=list, repr=False)
 
-    def all_reduce_async(self, x: torch.Tensor) -> PendingReduce:
-        """Start summing x in place across ranks; x must not be touched until ``wait()``."""
+    def __post_init__(self) -> None:
+        if self.tp_size is not None:
+            self.world_size = self.tp_size
+            if dist.is_initialized():
+                self.rank = dist.get_rank(self.group)
+
+    def all_reduce_async(self, x: torch.Tensor, group: object | None = None) -> PendingReduce:
+        """Start summing x in place across ranks (of ``group``, else this communicator's);
+        x must not be touched until ``wait()`` on the result, or ``synchronize()``."""
         if self.world_size == 1:
             return _Done(x)
         self.num_async += 1
+        group = self.group if group is None else group
         if x.is_cuda:
-            return self._all_reduce_on_side_stream(x)
-        return _WorkPending(dist.all_reduce(x, group=self.group, async_op=True), x)
+            pending = self._all_reduce_on_side_stream(x, group)
+        else:
+            pending = _WorkPending(dist.all_reduce(x, group=group, async_op=True), x)
+        # those already waited for by their caller need no synchronize(): keep the list short
+        self._pending = [p for p in self._pending if not p.waited]
+        self._pending.append(pending)
+        return pending
 
-    def _all_reduce_on_side_stream(self, x: torch.Tensor) -> PendingReduce:
+    def synchronize(self) -> None:
+        """Wait for every all-reduce issued so far (on CUDA: order the current stream after
+        them, without blocking the host)."""
+        pending, self._pending = self._pending, []
+        for p in pending:
+            p.wait()
+
+    def _all_reduce_on_side_stream(self, x: torch.Tensor, group: object) -> PendingReduce:
         side = self._side_streams.get(x.device)
         if side is None:
             side = self._side_streams[x.device] = torch.cuda.Stream(x.device)
@@ -106,7 +132,7 @@ class OverlapCommunicator(Communicator):
         ready.record(torch.cuda.current_stream(x.device))  # x's producer has been queued
         with torch.cuda.stream(side):
             side.wait_event(ready)
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, group=group)
             done = torch.cuda.Event()
             done.record(side)
         x.record_stream(side)  # the allocator must not hand x's memory out before `done`

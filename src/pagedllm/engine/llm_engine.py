@@ -75,6 +75,13 @@ class LLMEngine:
         return self.tokenizer
 
     @property
+    def model(self) -> Any:
+        """The model (torch.nn.Module) in this process: rank 0's shard under tensor
+        parallelism, the first tier of a split. Changing it in place changes what the engine
+        runs, e.g. ``DynamicQuantConfig(...).apply(model=engine.model)`` quantizes it."""
+        return self.executor.local_runner.model
+
+    @property
     def eos_token_id(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_token_id
 

@@ -147,6 +147,9 @@ class CostModel:
         return estimate, transfer
 
 
+DEFAULT_LINK = LinkProfile(bandwidth_mbps=100.0, rtt_ms=20.0)
+
+
 class GraphPartitioner:
     def __init__(
         self,
@@ -191,12 +194,14 @@ class GraphPartitioner:
         self,
         model_graph: ModelGraph,
         device_profiles: Sequence[DeviceProfile] | Mapping[str, DeviceProfile],
-        link: LinkProfile | Sequence[LinkProfile],
+        link: LinkProfile | Sequence[LinkProfile] | None = None,
         *,
         cuts: Sequence[int] | None = None,
     ) -> PartitionPlan:
         """Cost every placement on the chain of devices (first = edge, last = cloud) and
-        choose one; with cuts, cost and report that placement only."""
+        choose one; with cuts, cost and report that placement only. Without a link, every
+        hop is taken as DEFAULT_LINK (a typical edge uplink)."""
+        link = DEFAULT_LINK if link is None else link
         devices = list(
             device_profiles.values() if isinstance(device_profiles, Mapping) else device_profiles
         )
