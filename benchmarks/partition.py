@@ -11,10 +11,11 @@ For each model and tier ratio (edge threads / cloud threads): profile both tiers
 multi-point profile, each in a fresh process with its thread count), measure the
 transport's own cost per exchange over the real path, then for each link setting predict
 every cut, plan (latency_aware, 5% tie margin) and measure every cut's decode step (batch 1,
-context --context-len). Finally, pipelined throughput: 8 concurrent requests with
+context --context-len). Profiles are cached under --out (delete it to re-profile). Finally,
+pipelined throughput: 8 concurrent requests with
 pipeline depth 2 against depth 1 at the chosen cut.
 
-    python benchmarks/partition.py                                  # everything (~15 min idle)
+    python benchmarks/partition.py                                  # everything
     python benchmarks/partition.py --models demo --links 1gbit,2ms --ratios 1:2
     python benchmarks/partition.py --models bench --cuts 2 6 10 --no-pipeline
 """
