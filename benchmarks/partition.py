@@ -1,21 +1,33 @@
-"""Edge/cloud split inference: plan a cut, run the plan for real, compare with the prediction.
+"""Edge/cloud split over an emulated network: every cut measured, the plan's choice and
+predictions checked against the measurements, and the pipelined runtime's throughput.
 
-The edge is this process limited to one torch thread; the cloud is a split-worker process
-with two; the link (20 ms RTT, 100 Mbit/s by default) is emulated in the transport. For each
-model: profile both tiers on this machine (probes + measured per-layer timings), plan with
-the seed constraints (max_edge_latency 150 ms, min_cloud_throughput 32 tok/s), run the
-chosen cut (and any --cuts) through the split runtime, and run the unsplit engine with one
-thread (edge alone) and two (cloud alone, no link) as baselines in the same script.
+The network (pagedllm.partition.netem): the cloud workers run in a network namespace joined
+to the edge's by a veth pair whose rate is shaped by tc tbf; the edge (this process)
+reaches each worker through the delaying TCP proxy, which adds the RTT. Link settings are
+changed at run time (tc and the proxy), so each (model, tier ratio, cut) starts one worker.
+Without root / iproute2 the delay is slept in the transport instead (said in the output).
 
-    python benchmarks/partition.py                       # the demo and the 125M model
-    python benchmarks/partition.py --models bench --cuts 3 9 --steps 24
+For each model and tier ratio (edge threads / cloud threads): profile both tiers (the short
+multi-point profile, each in a fresh process with its thread count), measure the
+transport's own cost per exchange over the real path, then for each link setting predict
+every cut, plan (latency_aware, 5% tie margin) and measure every cut's decode step (batch 1,
+context --context-len). Profiles are cached under --out (delete it to re-profile). Finally,
+pipelined throughput: 8 concurrent requests with
+pipeline depth 2 against depth 1 at the chosen cut.
+
+    python benchmarks/partition.py                                  # everything
+    python benchmarks/partition.py --models demo --links 1gbit,2ms --ratios 1:2
+    python benchmarks/partition.py --models bench --cuts 2 6 10 --no-pipeline
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,218 +48,333 @@ from pagedllm.partition import (  # noqa: E402
     GraphPartitioner,
     LayerTimings,
     LinkProfile,
-    PartitionPlan,
+    netem,  # noqa: E402
 )
 from pagedllm.partition.graph import graph_for_model  # noqa: E402
 from pagedllm.partition.plot import plot_plan  # noqa: E402
-from pagedllm.partition.transport import measure_overhead_ms  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
-SEED_CONSTRAINTS = {"max_edge_latency": 150.0, "min_cloud_throughput": 32.0}
+LINKS = ["1gbit,2ms", "100mbit,20ms", "10mbit,80ms"]
+KV_BYTES = 64 << 20
 
 
 @dataclass
 class Measured:
-    ms_per_token: float  # median decode step
-    ms_p25: float  # lower-quartile decode step: the steps no other process interrupted
-    tokens_per_s: float  # generated tokens over the decode phase's wall time
+    p50: float  # median decode step, ms
+    p25: float  # lower quartile: the steps no other process interrupted
 
 
-def decode_run(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> Measured:
-    """batch requests of prompt_len tokens; time `steps` decode steps after the prefill.
-    Runs on a thread of its own, as the server's engine thread does (see the profiler)."""
+@dataclass
+class Worker:
+    process: subprocess.Popen
+    address: str  # where the edge connects (the proxy, or the worker itself)
+    proxy: netem.DelayProxy | None
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        self.process.kill()
+        self.process.wait()
+
+
+def engine_args(model: str, batch: int, context: int, **extra) -> EngineArgs:
+    return EngineArgs(
+        model=model,
+        max_num_seqs=max(batch, 8),
+        kv_cache_memory_bytes=KV_BYTES,
+        max_model_len=max(context * 2, 256),
+        **extra,
+    )
+
+
+def on_thread(fn, *args):
+    """Run fn on a thread of its own, as the server's engine thread does (see the profiler)."""
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(_decode_run, engine, batch, prompt_len, steps).result()
+        return pool.submit(fn, *args).result()
 
 
-def _decode_run(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> Measured:
+def decode_steps(engine: LLMEngine, prompt_len: int, steps: int) -> Measured:
     vocab = engine.config.model.hf_config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        ids = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"r{i}", ids, params)
-    while engine.scheduler.waiting or any(
-        s.num_output_tokens == 0 for s in engine.scheduler.running
-    ):
+    engine.add_request("r", ids.tolist(), params)
+    while engine.scheduler.waiting or engine.scheduler.running[0].num_output_tokens == 0:
         engine.step()
-    engine.step()  # warm-up decode step
+    engine.step()  # warm-up
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - start)
-    engine.abort_request([f"r{i}" for i in range(batch)])
-    p25 = statistics.quantiles(times, n=4)[0]
-    return Measured(statistics.median(times) * 1e3, p25 * 1e3, batch * steps / sum(times))
+        times.append((time.perf_counter() - start) * 1e3)
+    engine.abort_request("r")
+    return Measured(statistics.median(times), statistics.quantiles(times, n=4)[0])
 
 
-def engine_args(model: str, batch: int, context: int) -> EngineArgs:
-    return EngineArgs(
-        model=model,
-        max_num_seqs=max(batch, 1),
-        kv_cache_memory_bytes=256 << 20,
-        max_model_len=max(context * 2, 256),
-    )
+def concurrent_tokens_per_s(engine: LLMEngine, n: int, prompt_len: int, tokens: int) -> float:
+    vocab = engine.config.model.hf_config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(
+            f"c{i}", torch.randint(3, vocab, (prompt_len,), generator=gen).tolist(), params
+        )
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n * tokens / (time.perf_counter() - start)
 
 
-def start_worker(model: str, plan: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable, "-m", "pagedllm.entrypoints.cli", "split-worker", model,
-        "--partition", str(plan), "--partition-address", "127.0.0.1:0",
-        "--threads", str(args.cloud_threads), "--emulate-link", args.link,
-        "--kv-cache-memory-bytes", str(256 << 20), "--max-model-len",
-        str(max(args.context_len * 2, 256)), "--max-num-seqs", str(max(args.batch_size, 1)),
-    ]  # fmt: skip
+def profile(
+    model: str, threads: int, out: Path, args: argparse.Namespace
+) -> tuple[DeviceProfile, LayerTimings]:
+    name = f"t{threads}"
+    path = out / f"{name}.json"
+    if not path.exists():
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "profile-device", "--name", name,
+               "--threads", str(threads), "--dtypes", "float32", "--model", model,
+               "--batch-size", "1", "--context-len", str(args.context_len + args.steps // 2),
+               "-o", str(path), "--timings-output", str(out / f"{name}.timings.json")]  # fmt: skip
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return DeviceProfile.load(path), LayerTimings.load(out / f"{name}.timings.json")
+
+
+def start_worker(model: str, plan: Path, threads: int, net, args) -> Worker:
+    address = f"{net.cloud_ip}:0" if net is not None else "127.0.0.1:0"
+    cmd = [*(net.exec_prefix() if net is not None else []), sys.executable, "-m",
+           "pagedllm.entrypoints.cli", "split-worker", model, "--partition", str(plan),
+           "--partition-address", address, "--threads", str(threads),
+           "--kv-cache-memory-bytes", str(KV_BYTES),
+           "--max-model-len", str(max(args.context_len * 2, 256)),
+           "--max-num-seqs", "8"]  # fmt: skip
+    if net is None:
+        cmd += ["--emulate-link", args.current_link]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if "listening on" in line:
-            return proc, line.rsplit(" ", 1)[1].strip()
-    raise RuntimeError("the cloud worker did not start")
+            worker_address = line.rsplit(" ", 1)[1].strip()
+            break
+    else:
+        raise RuntimeError("the cloud worker did not start")
+    if net is None:
+        return Worker(proc, worker_address, None)
+    proxy = netem.DelayProxy(worker_address, net.edge_ns)
+    return Worker(proc, proxy.address, proxy)
 
 
-def run_split(model: str, plan: Path, args: argparse.Namespace) -> Measured:
-    proc, address = start_worker(model, plan, args)
-    try:
-        split = dataclasses.replace(
-            engine_args(model, args.batch_size, args.context_len),
-            partition=str(plan),
-            partition_address=address,
-        )
-        engine = LLMEngine.from_engine_args(split, skip_tokenizer_init=True)
-        result = decode_run(engine, args.batch_size, args.context_len, args.steps)
-        engine.shutdown()
-        return result
-    finally:
-        proc.kill()
-        proc.wait()
+def set_link(text: str, net, worker: Worker) -> None:
+    link = LinkProfile.parse(text)
+    if net is not None:
+        net.set_rate(link.bandwidth_mbps)
+        worker.proxy.set(rtt_ms=link.rtt_ms)
 
 
-def run_unsplit(model: str, threads: int, args: argparse.Namespace) -> Measured:
-    """The whole model in a fresh process with `threads` threads (as a tier would run)."""
-    cmd = [sys.executable, __file__, "--unsplit", str(threads), "--model-path", model,
-           "--batch-size", str(args.batch_size), "--context-len", str(args.context_len),
-           "--steps", str(args.steps)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    ms, p25, tps = out.strip().splitlines()[-1].split()[1:]
-    return Measured(float(ms), float(p25), float(tps))
-
-
-def profile_tier(name: str, threads: int, model: str, out: Path, args: argparse.Namespace) -> None:
-    """`pagedllm profile-device` in a fresh process: probes plus the model's layer timings."""
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "profile-device", "--name", name,
-           "--threads", str(threads), "--dtypes", args.dtype, "--model", model,
-           "--batch-size", str(args.batch_size), "--context-len", str(args.context_len),
-           "-o", str(out / f"{name}.json"),
-           "--timings-output", str(out / f"{name}.timings.json")]  # fmt: skip
-    print(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
-
-
-def plan_model(model: str, out: Path, args: argparse.Namespace) -> PartitionPlan:
-    """Profile both tiers on this machine and plan with the seed constraints."""
-    base = engine_args(model, args.batch_size, args.context_len)
-    args.dtype = base.create_engine_config().model.dtype
-    graph = graph_for_model(model, args.dtype)
-    devices = []
-    for name, threads in (("edge", args.edge_threads), ("cloud", args.cloud_threads)):
-        profile_tier(name, threads, model, out, args)
-        devices.append(DeviceProfile.load(out / f"{name}.json"))
-        graph = graph.with_timings(LayerTimings.load(out / f"{name}.timings.json"))
-    edge, cloud = devices
-    link = LinkProfile.parse(args.link)
-    hidden = graph.hidden_size * args.batch_size * 2
-    link = LinkProfile(link.bandwidth_mbps, link.rtt_ms, measure_overhead_ms(hidden))
-    context = args.context_len + args.steps // 2  # the mean context over the measured steps
+def cut_plan(graph, devices, link, cut: int, args) -> object:
     partitioner = GraphPartitioner(
-        args.strategy, SEED_CONSTRAINTS, args.batch_size, context, 128, args.wire_dtype
+        "latency_aware",
+        None,
+        1,
+        args.context_len + args.steps // 2,
+        args.context_len,
+        args.wire_dtype,
     )
-    plan = partitioner.analyze(graph, [edge, cloud], link)
-    plan.save(out / "plan.json")
-    plot_plan(plan, out / "plan.png")
-    args.model_cuts = [c for c in args.cuts if 0 < c < graph.num_layers]
-    for cut in args.model_cuts:
-        partitioner.analyze(graph, [edge, cloud], link, cuts=[cut]).save(out / f"cut{cut}.json")
-    return plan
+    return partitioner.analyze(graph, devices, link, cuts=[cut])
 
 
-def bench_model(label: str, model: str, args: argparse.Namespace) -> list[str]:
+def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) -> dict:
     out = Path(args.out) / label
     out.mkdir(parents=True, exist_ok=True)
-    plan = plan_model(model, out, args)
-    print(plan.table(), flush=True)
-    cloud_alone = run_unsplit(model, args.cloud_threads, args)
-    edge_alone = run_unsplit(model, args.edge_threads, args)
-    rows = [
-        f"| {label} | unsplit, {args.cloud_threads} thread(s) (cloud alone, no link) | - | "
-        f"{cloud_alone.ms_per_token:.1f} | {cloud_alone.ms_p25:.1f} | - | "
-        f"{cloud_alone.tokens_per_s:.1f} | 1.00 |",
-        f"| {label} | unsplit, {args.edge_threads} thread(s) (edge alone) | - | "
-        f"{edge_alone.ms_per_token:.1f} | {edge_alone.ms_p25:.1f} | - | "
-        f"{edge_alone.tokens_per_s:.1f} | "
-        f"{edge_alone.tokens_per_s / cloud_alone.tokens_per_s:.2f} |",
-    ]
-    runs = [(f"cut {plan.cuts[0]} (chosen)", out / "plan.json")]
-    runs += [(f"cut {c}", out / f"cut{c}.json") for c in args.model_cuts if c != plan.cuts[0]]
-    for name, plan_file in runs:
-        predicted = PartitionPlan.load(plan_file).chosen
-        got = run_split(model, plan_file, args)
-        ms = predicted.decode_latency_ms
-        p50_err, p25_err = ms / got.ms_per_token - 1, ms / got.ms_p25 - 1
-        err = f"{p50_err:+.0%} / {p25_err:+.0%}"
-        rows.append(
-            f"| {label} | split {name} | {ms:.1f} | {got.ms_per_token:.1f} | {got.ms_p25:.1f} | "
-            f"{err} | {got.tokens_per_s:.1f} | "
-            f"{got.tokens_per_s / cloud_alone.tokens_per_s:.2f} |"
+    edge_dev, edge_tim = profile(model, edge_t, out, args)
+    cloud_dev, cloud_tim = profile(model, cloud_t, out, args)
+    edge_dev = dataclasses.replace(edge_dev, name="edge")
+    cloud_dev = dataclasses.replace(cloud_dev, name="cloud")
+    graph = graph_for_model(model, "float32")
+    graph = graph.with_timings(dataclasses.replace(edge_tim, device="edge"))
+    graph = graph.with_timings(dataclasses.replace(cloud_tim, device="cloud"))
+    cuts = [c for c in (args.cuts or range(1, graph.num_layers)) if 0 < c < graph.num_layers]
+    torch.set_num_threads(edge_t)
+    results = {"edge_threads": edge_t, "cloud_threads": cloud_t, "links": {}}
+    rows: dict[str, dict[int, dict]] = {text: {} for text in args.links}
+    overhead = {}
+    for cut in cuts:  # one worker at a time: the 125M model's tiers x 11 would not fit
+        with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out, args) as (
+            engine,
+            worker,
+        ):
+            # the transport's own cost per exchange over the real path, no added delay
+            set_link("10000mbit,0ms", net, worker)
+            pings = on_thread(engine.executor.ping_ms, 30, graph.hidden_size * 2)
+            overhead[cut] = pings[len(pings) // 4]
+            for text in args.links:
+                set_link(text, net, worker)
+                link = dataclasses.replace(LinkProfile.parse(text), overhead_ms=overhead[cut])
+                predicted = cut_plan(graph, [edge_dev, cloud_dev], link, cut, args).chosen
+                got = on_thread(decode_steps, engine, args.context_len, args.steps)
+                rows[text][cut] = {
+                    "predicted": predicted.decode_latency_ms,
+                    "p50": got.p50,
+                    "p25": got.p25,
+                }
+                print(f"{label} {text} cut {cut}: predicted {predicted.decode_latency_ms:.1f} "
+                      f"measured p50 {got.p50:.1f} p25 {got.p25:.1f}", flush=True)  # fmt: skip
+    for text in args.links:
+        link = dataclasses.replace(
+            LinkProfile.parse(text), overhead_ms=statistics.median(overhead.values())
         )
-        print(rows[-1], flush=True)
-    return rows
+        partitioner = GraphPartitioner(
+            "latency_aware", None, 1, args.context_len + args.steps // 2, args.context_len,
+            args.wire_dtype,
+        )  # fmt: skip
+        plan = partitioner.analyze(graph, [edge_dev, cloud_dev], link)
+        (out / f"plan-{text.replace(',', '_')}.txt").write_text(plan.table() + "\n")
+        plot_plan(plan, out / f"plan-{text.replace(',', '_')}.png")
+        chosen = plan.cuts[0] if plan.cuts[0] in cuts else None
+        results["links"][text] = {"chosen": chosen, "planned": plan.cuts[0], "cuts": rows[text]}
+    if args.pipeline:
+        text = args.links[0]
+        cut = results["links"][text]["planned"]
+        with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out, args) as (
+            engine,
+            worker,
+        ):
+            set_link(text, net, worker)
+            results["pipeline"] = pipeline_ratio(engine, text, cut, args)
+    return results
+
+
+@contextlib.contextmanager
+def split_engine(model, graph, devices, cut, cloud_t, net, out, args):
+    plan_file = out / f"cut{cut}.json"
+    cut_plan(graph, devices, LinkProfile(1000, 1), cut, args).save(plan_file)
+    args.current_link = args.links[0]
+    worker = start_worker(model, plan_file, cloud_t, net, args)
+    engine = None
+    try:
+        split = engine_args(model, 1, args.context_len, partition=str(plan_file),
+                            partition_address=worker.address)  # fmt: skip
+        engine = LLMEngine.from_engine_args(split, skip_tokenizer_init=True)
+        yield engine, worker
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        worker.close()
+
+
+def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
+    """8 concurrent requests at the first link setting's planned cut: depth 2 vs depth 1."""
+    n, tokens = 8, args.pipeline_tokens
+    got = {}
+    for depth in (1, 2):
+        engine.executor.partition = dataclasses.replace(
+            engine.executor.partition, pipeline_depth=depth
+        )
+        got[depth] = on_thread(concurrent_tokens_per_s, engine, n, args.context_len // 2, tokens)
+    engine.executor.partition = dataclasses.replace(engine.executor.partition, pipeline_depth=1)
+    return {
+        "link": text,
+        "cut": cut,
+        "unpipelined": got[1],
+        "pipelined": got[2],
+        "ratio": got[2] / got[1],
+    }
+
+
+def yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def report(all_results: dict, args, network: str) -> str:
+    lines = [
+        f"{machine()}; network: {network}; batch 1, context {args.context_len}, "
+        f"{args.steps} decode steps per run; load average at the end {os.getloadavg()[0]:.1f}",
+        "",
+        "| model | edge/cloud threads | link | cut | predicted ms | measured p50 | p25 "
+        "| error vs p50 | chosen |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    summary = []
+    for label, ratios in all_results.items():
+        for ratio, res in ratios.items():
+            for text, link in res["links"].items():
+                rows = link["cuts"]
+                best = min(rows, key=lambda c: rows[c]["p50"])
+                chosen = link["chosen"]
+                if chosen is None:
+                    summary.append(f"| {label} | {ratio} | {text} | {link['planned']} (not run) "
+                                   "| - | - | - | - | - |")  # fmt: skip
+                    chosen = -1
+                for cut, r in rows.items():
+                    err = r["predicted"] / r["p50"] - 1
+                    mark = "chosen" if cut == chosen else ("best" if cut == best else "")
+                    lines.append(
+                        f"| {label} | {ratio} | {text} | {cut} | {r['predicted']:.1f} | "
+                        f"{r['p50']:.1f} | {r['p25']:.1f} | {err:+.0%} | {mark} |"
+                    )
+                if chosen == -1:
+                    continue
+                gap = rows[chosen]["p50"] / rows[best]["p50"] - 1
+                worst = max(abs(r["predicted"] / r["p50"] - 1) for r in rows.values())
+                worst25 = max(abs(r["predicted"] / r["p25"] - 1) for r in rows.values())
+                summary.append(
+                    f"| {label} | {ratio} | {text} | {chosen} | {best} | {gap:+.1%} "
+                    f"| {yes(gap <= 0.10)} | {worst:.0%} / {worst25:.0%} "
+                    f"| {yes(worst <= 0.15)} / {yes(worst25 <= 0.15)} |"
+                )
+            if "pipeline" in res:
+                p = res["pipeline"]
+                summary.append(
+                    f"| {label} | {ratio} | pipelined, 8 requests, {p['link']}, cut {p['cut']}: "
+                    f"{p['unpipelined']:.1f} -> {p['pipelined']:.1f} tok/s, "
+                    f"**{p['ratio']:.2f}x** |||||||"
+                )
+    head = [
+        "| model | edge/cloud threads | link | chosen cut | best measured | chosen vs best "
+        "| within 10% | worst prediction error vs p50 / p25 | all within 15% (p50 / p25) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join([*lines[:2], *head, *summary, "", *lines[2:]])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["demo", "bench"])
-    parser.add_argument("--cuts", type=int, nargs="*", default=[], help="also run these cuts")
-    parser.add_argument("--strategy", default="latency_aware")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--links", nargs="+", default=LINKS)
+    parser.add_argument("--ratios", nargs="+", default=["1:2", "1:1"], help="EDGE:CLOUD threads")
+    parser.add_argument("--cuts", type=int, nargs="*", default=[], help="only these cuts")
     parser.add_argument("--context-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--edge-threads", type=int, default=1)
-    parser.add_argument("--cloud-threads", type=int, default=2)
-    parser.add_argument("--link", default="100mbit,20ms")
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--wire-dtype", default="bfloat16")
+    parser.add_argument("--no-pipeline", dest="pipeline", action="store_false")
+    parser.add_argument("--pipeline-tokens", type=int, default=16)
     parser.add_argument("--out", default="bench_out/partition")
-    parser.add_argument("--unsplit", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.unsplit is not None:  # a baseline, in its own process
-        torch.set_num_threads(args.unsplit)
-        engine = LLMEngine.from_engine_args(
-            engine_args(args.model_path, args.batch_size, args.context_len),
-            skip_tokenizer_init=True,
-        )
-        got = decode_run(engine, args.batch_size, args.context_len, args.steps)
-        print(f"RESULT {got.ms_per_token} {got.ms_p25} {got.tokens_per_s}")
-        return
-    torch.set_num_threads(args.edge_threads)  # this process is the edge
+    # SIGTERM runs the clean-up (workers, proxies, namespaces) like Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     models = {"demo": default_model_path(), "bench": str(build_bench_model(default_model_dir()))}
-    rows = [
-        "| model | run | predicted ms/token | measured p50 | measured p25 | error vs p50 / p25 "
-        "| tok/s | tok/s vs cloud alone |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for label in args.models:
-        if not Path(models[label], "config.json").exists():
-            print(f"skipping {label}: no model at {models[label]}")
-            continue
-        rows += bench_model(label, models[label], args)
-    print(
-        f"\n{machine()}; edge {args.edge_threads} thread(s), cloud {args.cloud_threads}, "
-        f"link {args.link}, batch {args.batch_size}, context {args.context_len}; "
-        f"load average at the end {os.getloadavg()[0]:.1f}"
-    )
-    print("\n".join(rows))
+    reason = netem.unavailable()
+    network = "namespaces + veth + tbf + delaying proxy"
+    if reason is not None:
+        network = f"delay slept in the transport ({reason}); links after the first are not applied"
+        print(f"no emulated network: {reason}", flush=True)
+    results: dict = {}
+    with netem.EmulatedNetwork() if reason is None else contextlib.nullcontext() as net:
+        for label in args.models:
+            model = models[label]
+            for ratio in args.ratios:
+                edge_t, cloud_t = map(int, ratio.split(":"))
+                results.setdefault(label, {})[ratio] = bench_ratio(
+                    f"{label}-{edge_t}-{cloud_t}", model, edge_t, cloud_t, net, args
+                )
+                # what is done so far, in case a long run is cut short
+                print(report({label: {ratio: results[label][ratio]}}, args, network), flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print()
+    print(report(results, args, network))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ class PartitionConfig:
     plan: str  # path of the PartitionPlan JSON
     role: str  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest + head)
     address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
+    pipeline_depth: int = 1  # edge: engine steps (micro-batches) in flight across the tiers
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class EngineArgs:
     partition: str | None = None  # PartitionPlan JSON: run one tier of an edge/cloud split
     partition_role: str = "edge"
     partition_address: str | None = None
+    partition_pipeline_depth: int = 1
     quant_exclude: list[str] | None = None  # module names / patterns left unquantized
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
@@ -286,11 +288,22 @@ class EngineArgs:
     def _partition_config(self) -> PartitionConfig | None:
         if self.partition is None:
             return None
-        if self.partition_role not in ("edge", "cloud"):
+        role = self.partition_role
+        if role not in ("edge", "cloud") and not (role[:4] == "tier" and role[4:].isdigit()):
             raise ValueError(
-                f"partition_role must be 'edge' or 'cloud', got {self.partition_role!r}."
+                f"partition_role must be 'edge', 'cloud' or 'tierN' (a tier in between), "
+                f"got {role!r}."
             )
-        return PartitionConfig(self.partition, self.partition_role, self.partition_address)
+        if self.partition_pipeline_depth < 1:
+            raise ValueError(
+                f"partition_pipeline_depth must be at least 1, got {self.partition_pipeline_depth}."
+            )
+        return PartitionConfig(
+            self.partition,
+            self.partition_role,
+            self.partition_address,
+            self.partition_pipeline_depth,
+        )
 
     def _verify(self) -> None:
         if not isinstance(self.model, str) or not self.model:

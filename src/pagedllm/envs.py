@@ -87,3 +87,9 @@ def PAGEDLLM_CPU_FUSED_OPS() -> bool:  # noqa: N802
     """Use the C++ fused residual + RMSNorm and rotary kernels on CPU (default on); 0 takes
     the torch ops, e.g. to measure what the fusion is worth."""
     return os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"
+
+
+def PAGEDLLM_SPLIT_REPLY_TIMEOUT() -> float:  # noqa: N802
+    """Seconds the edge of a split waits for a tier's reply to one step before it declares
+    the link lost (fails the running requests, reconnects on a later step)."""
+    return float(os.environ.get("PAGEDLLM_SPLIT_REPLY_TIMEOUT", "60"))

@@ -221,3 +221,64 @@ def test_profile_device_writes_a_profile(tmp_path, capsys):
     assert profile.name == "here" and profile.threads == 1
     assert profile.flops["float32"] > 1e8 and profile.mem_bandwidth > 1e8
     assert profile.mem_capacity > 1 << 30 and profile.op_overhead_s > 0
+
+
+def _timings(name: str, per_layer, points, prompts=(8, 32, 64)) -> LayerTimings:
+    """Timings generated from known per-layer costs: per_layer(batch, context) seconds."""
+    from pagedllm.partition.profiles import DecodePoint, PrefillPoint
+
+    decode = tuple(
+        DecodePoint(b, c, (0.0,) + (per_layer(b, c),) * L + (0.0,), 1e-4 * b, 0.0, 1e-3)
+        for b, c in points
+    )
+    prefill = tuple(
+        PrefillPoint(p, (0.0,) + (1e-5 * p + 1e-8 * p * p,) * L + (0.0,)) for p in prompts
+    )
+    ref = decode[0]
+    return LayerTimings(
+        name, ref.batch, ref.context, prompts[-1], ref.nodes, prefill[-1].nodes,
+        ref.engine, ref.prepare, ref.sample, 1, decode, prefill,
+    )  # fmt: skip
+
+
+def test_fitted_timings_predict_settings_that_were_not_measured():
+    # fixed 0.5 ms + 0.2 ms per sequence + 2 us per (sequence, context token) per layer
+    def cost(b, c):
+        return 5e-4 + 2e-4 * b + 2e-6 * b * c
+
+    points = [(1, 32), (1, 128), (4, 32), (4, 128)]
+    timings = _timings("edge", cost, points)
+    fit = timings.fitted()
+    assert fit is not None
+    assert fit.decode_s(1, 8, 512) == pytest.approx(cost(8, 512), rel=1e-6)
+    assert fit.prefill_s(1, 128) == pytest.approx(1e-5 * 128 + 1e-8 * 128**2, rel=1e-6)
+    graph = uniform_graph().with_timings(timings)
+    partitioner = GraphPartitioner(batch_size=8, context_len=512, wire_dtype="float32")
+    plan = partitioner.analyze(graph, [EDGE, CLOUD], FAST_LINK, cuts=[3])
+    edge = plan.chosen.tiers[0]
+    assert edge.decode_ms == pytest.approx((3 * cost(8, 512) + 8e-4 + 1e-3) * 1e3, rel=1e-6)
+    # one point is not a fit: the single-setting scaling is used instead
+    assert _timings("edge", cost, points[:1]).fitted() is None
+
+
+def test_ties_keep_the_plan_in_use_and_noise_does_not_move_the_cut():
+    same = device("edge", 1.0)  # edge and cloud alike: every cut costs the same
+    plan = analyze(devices=(same, CLOUD))
+    assert plan.cuts == (1,)  # the tie goes to the fewest layers on the edge
+    assert any("within the 5% margin" in line for line in plan.why_not())
+    kept = GraphPartitioner(wire_dtype="float32", previous=[6])
+    assert kept.analyze(uniform_graph(), [same, CLOUD], FAST_LINK).cuts == (6,)
+    # profiles of one machine a few percent apart never move the plan
+    gen = torch.Generator().manual_seed(0)
+    cuts = set()
+    for _ in range(20):
+        noisy = [
+            device(name, 1.0 * (1 + 0.03 * (2 * torch.rand(1, generator=gen).item() - 1)))
+            for name in ("edge", "cloud")
+        ]
+        cuts.add(analyze(devices=noisy).cuts)
+    assert cuts == {(1,)}
+    # a real difference beyond the margin does move it, and why_not says why
+    plan = analyze(devices=(CLOUD, EDGE))  # the edge now 4x faster than the cloud
+    assert plan.cuts == (9,)
+    assert any("ms/token" in line and "slowest tier" in line for line in plan.why_not())

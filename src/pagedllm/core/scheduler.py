@@ -107,22 +107,32 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, hold: frozenset[int] = frozenset(), max_seqs: int | None = None
+    ) -> SchedulerOutput:
+        """The next step's batch. hold: ids of sequences in a step still in flight (a
+        pipelined executor), neither scheduled nor preempted; max_seqs: at most this many
+        sequences in the step (a pipelined executor's micro-batch)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        limit = max_seqs or self.config.max_num_seqs
+        budget = self._schedule_running(out, budget, hold, limit)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, limit)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         if out.scheduled:  # an empty output is not run, so the ids wait for the next step
             out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self.num_prefill_chunks += sum(not s.samples for s in out.scheduled)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, hold: frozenset[int], limit: int
+    ) -> int:
+        for seq in list(self.running):
+            if budget <= 0 or len(out.scheduled) >= limit:
+                break
+            if seq.seq_id in hold or seq.status != SequenceStatus.RUNNING:
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             drafts = self._drafts_for(seq, num_new, budget)
             samples = seq.num_computed_tokens + num_new == seq.num_tokens
@@ -131,11 +141,10 @@ class Scheduler:
             # preempted for a guess.
             if extra and not self.block_manager.allocate(seq, num_new + extra):
                 drafts = []
-            if not drafts and not self._allocate_or_preempt(seq, num_new, out):
-                break  # seq itself was preempted, and with it everything after it
+            if not drafts and not self._allocate_or_preempt(seq, num_new, out, hold):
+                break  # seq itself was preempted (and everything after it), or must wait
             out.scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
             budget -= num_new + len(drafts)
-            i += 1
         return budget
 
     def _drafts_for(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
@@ -150,20 +159,34 @@ class Scheduler:
             room = min(room, max_tokens - seq.num_output_tokens - 1)
         return seq.spec_token_ids[: max(room, 0)]
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate for seq, preempting the newest running sequences until it fits."""
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new: int, out: SchedulerOutput, hold: frozenset[int]
+    ) -> bool:
+        """Allocate for seq, preempting the newest running sequences (not held, not
+        scheduled already) until it fits."""
         while not self.block_manager.allocate(seq, num_new):
-            victim = self.running[-1]  # never one scheduled already: those precede seq
+            scheduled = {s.seq.seq_id for s in out.scheduled}
+            victims = [
+                s for s in self.running if s.seq_id not in hold and s.seq_id not in scheduled
+            ]
+            if not victims:
+                return False  # only sequences in flight could make room: wait for them
+            victim = victims[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, limit: int) -> None:
         bm = self.block_manager
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(out.scheduled) < limit
+        ):
             seq = self.waiting[0]
             if self._waits_for_leader(seq):
                 skipped.append(self.waiting.popleft())

@@ -6,6 +6,7 @@ import copy
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,6 +53,7 @@ class LLMEngine:
         # request defaults from generation_config.json, as vLLM's --generation-config auto
         self.sampling_defaults = read_sampling_defaults(config.model.generation_config)
         self.executor = create_executor(config)
+        self._in_flight: deque[tuple[SchedulerOutput, object, IterationStats]] = deque()
         self.kv_cache = self.executor.initialize_cache()  # the one record of the cache's layout
         self.block_manager = BlockManager(
             self.kv_cache.num_blocks, self.kv_cache.block_size, config.cache.enable_prefix_caching
@@ -228,6 +230,8 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, detokenize; returns updates."""
+        if self.executor.pipeline_depth > 1:
+            return self._step_pipelined()
         sched_out = self.scheduler.schedule()
         iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
         iteration.finished_requests.extend(self._aborted_stats)
@@ -255,6 +259,44 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         iteration.spec_decoding = self._spec_decoding_stats(sched_out, model_out)
         outputs = self._process(sched_out, model_out, updated, num_before, iteration)
+        self._record(iteration)
+        return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """With an executor that keeps several steps in flight (a pipelined split): submit
+        a micro-batch of the sequences not in flight, then finish the oldest step. Each
+        micro-batch holds about 1/depth of the active sequences, so while one tier runs
+        micro-batch i the one before it runs micro-batch i+1."""
+        depth = self.executor.pipeline_depth
+        held = frozenset(i.seq.seq_id for out, _, _ in self._in_flight for i in out.scheduled)
+        active = len(self.scheduler.running) + len(self.scheduler.waiting)
+        sched_out = self.scheduler.schedule(held, max(1, -(-active // depth)))
+        if not sched_out.is_empty:
+            iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
+            now = time.time()
+            for item in sched_out.scheduled:
+                if item.seq.timings.first_scheduled is None:
+                    item.seq.timings.first_scheduled = now
+            try:
+                handle = self.executor.submit(sched_out)
+            except ExecutorLostError as e:
+                self._in_flight.clear()
+                return self._fail_running(str(e), iteration)
+            self._in_flight.append((sched_out, handle, iteration))
+            if len(self._in_flight) < depth and len(held) + len(sched_out.scheduled) < active:
+                return []  # filling the pipeline
+        if not self._in_flight:
+            return []
+        sched_out, handle, iteration = self._in_flight.popleft()
+        try:
+            model_out = self.executor.collect(handle)
+        except ExecutorLostError as e:
+            self._in_flight.clear()
+            return self._fail_running(str(e), iteration)
+        # a sequence aborted while its step was in flight is already gone
+        sched_out.scheduled = [i for i in sched_out.scheduled if not i.seq.is_finished]
+        updated = self.scheduler.update(sched_out, model_out.sampled)
+        outputs = self._process(sched_out, model_out, updated, iteration)
         self._record(iteration)
         return outputs
 

@@ -54,6 +54,7 @@ _ENGINE_FLAG_HELP = {
     "partition": "partition plan JSON (pagedllm partition -o): run one tier of a split",
     "partition_role": "edge (the engine, embedding and layers [0, cut)) | cloud (the rest)",
     "partition_address": "edge: the cloud worker's HOST:PORT; cloud: HOST:PORT to listen on",
+    "partition_pipeline_depth": "edge: micro-batches in flight across the tiers (1: none)",
     "quant_exclude": "int8: module name or pattern kept in full precision, e.g. lm_head, "
     "'*.self_attn.*' (repeatable)",
     "quant_granularity": "int8 weight scales: per_channel | per_tensor",

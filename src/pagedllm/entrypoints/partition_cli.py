@@ -81,6 +81,15 @@ def _add_partition(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evaluate this cut only instead of choosing one (one per link)",
     )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.05,
+        help="placements within this fraction of the best are ties (default 0.05)",
+    )
+    p.add_argument(
+        "--previous", default=None, help="the plan in use: its cut is kept while it ties"
+    )
     p.add_argument("--output", "-o", default=None, help="write the plan JSON here")
     p.add_argument("--plot", default=None, help="draw latency/throughput per cut to FILE")
 
@@ -99,8 +108,20 @@ def _partition(ns: argparse.Namespace) -> int:
         for name in ("max_edge_latency", "min_cloud_throughput", "max_edge_memory")
         if getattr(ns, name) is not None
     }
+    previous = None
+    if ns.previous:
+        from pagedllm.partition import PartitionPlan
+
+        previous = PartitionPlan.load(ns.previous).cuts
     partitioner = GraphPartitioner(
-        ns.strategy, constraints, ns.batch_size, ns.context_len, ns.prompt_len, ns.wire_dtype
+        ns.strategy,
+        constraints,
+        ns.batch_size,
+        ns.context_len,
+        ns.prompt_len,
+        ns.wire_dtype,
+        margin=ns.margin,
+        previous=previous,
     )
     links = ns.link[0] if len(ns.link) == 1 else ns.link
     plan = partitioner.analyze(graph, devices, links, cuts=ns.cut)
@@ -160,23 +181,32 @@ def _profile(ns: argparse.Namespace) -> int:
 
 # ---- split-worker (the cloud tier) ---------------------------------------------------------
 def run_cloud_worker(
-    args: EngineArgs, emulate: LinkProfile | None = None, threads: int | None = None
+    args: EngineArgs,
+    emulate: LinkProfile | None = None,
+    threads: int | None = None,
+    tier: int | None = None,
+    next_address: str | None = None,
 ) -> int:
-    """Serve the cloud tier of args.partition until interrupted."""
+    """Serve a tier after the edge (the last one, or ``tier``) of args.partition until
+    interrupted."""
     import torch
 
+    from pagedllm.partition.plan import PartitionPlan
     from pagedllm.partition.runtime import CloudWorker
 
     if args.partition is None:
         raise ValueError("the cloud tier needs --partition PLAN.json")
     if threads is not None:
         torch.set_num_threads(threads)
-    args = dataclasses.replace(args, partition_role="cloud")
-    worker = CloudWorker(args.create_engine_config())
+    num_tiers = len(PartitionPlan.load(args.partition).cuts) + 1
+    role = "cloud" if tier is None or tier == num_tiers - 1 else f"tier{tier}"
+    args = dataclasses.replace(args, partition_role=role)
+    worker = CloudWorker(args.create_engine_config(), next_address)
     server = worker.serve(emulate)
     start, end = worker.tier.layers
+    what = "+ head" if worker.tier.is_last else f"-> {next_address}"
     print(
-        f"split worker (layers [{start}, {end}) + head) listening on {server.address}", flush=True
+        f"split worker (layers [{start}, {end}) {what}) listening on {server.address}", flush=True
     )
     try:
         server.wait()
@@ -194,10 +224,22 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
         help="add a link's delay to every exchange: BANDWIDTH,RTT, e.g. 100mbit,20ms",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument(
+        "--tier",
+        type=int,
+        default=None,
+        help="this worker's position in a chain of more than two tiers (1 = after the edge; "
+        "default: the last)",
+    )
+    p.add_argument(
+        "--next-address", default=None, help="a tier in between: the next tier's HOST:PORT"
+    )
 
 
 def _worker(ns: argparse.Namespace) -> int:
-    return run_cloud_worker(engine_args_from(ns), ns.emulate_link, ns.threads)
+    return run_cloud_worker(
+        engine_args_from(ns), ns.emulate_link, ns.threads, ns.tier, ns.next_address
+    )
 
 
 _COMMANDS = {

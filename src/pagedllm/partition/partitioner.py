@@ -34,7 +34,7 @@ from pagedllm.partition.plan import (
     TierEstimate,
     wire_bytes_per_token,
 )
-from pagedllm.partition.profiles import DeviceProfile, LinkProfile
+from pagedllm.partition.profiles import DeviceProfile, LinkProfile, TimingModel
 
 STRATEGIES = ("latency_aware", "throughput_aware")
 CONSTRAINTS = ("max_edge_latency", "min_cloud_throughput", "max_edge_memory")
@@ -80,8 +80,20 @@ class CostModel:
         self.batch, self.context, self.prompt = batch, context, prompt
         self.decode_work = decode_work(batch, context)
         self.prefill_work = prefill_work(prompt)
+        self._fits: dict[str, TimingModel | None] = {}
+
+    def _fitted(self, dev: DeviceProfile) -> TimingModel | None:
+        if dev.name not in self._fits:
+            timings = self.graph.measured.get(dev.name)
+            self._fits[dev.name] = timings.fitted() if timings is not None else None
+        return self._fits[dev.name]
 
     def _scaled(self, i: int, dev: DeviceProfile, decode: bool) -> float:
+        fit = self._fitted(dev)
+        if fit is not None:
+            if decode:
+                return fit.decode_s(i, self.batch, self.context)
+            return fit.prefill_s(i, self.prompt)
         node = self.graph.nodes[i]
         work = self.decode_work if decode else self.prefill_work
         predicted = _roofline(node, dev, self.graph.dtype, work)
@@ -98,8 +110,13 @@ class CostModel:
 
     def tier_decode_s(self, nodes: list[int], dev: DeviceProfile, first: bool, last: bool) -> float:
         total = sum(self._scaled(i, dev, True) for i in nodes)
+        fit = self._fitted(dev)
         timings = self.graph.measured.get(dev.name)
-        if timings is not None:  # the parts of a step outside the model
+        if fit is not None:  # the parts of a step outside the model
+            total += fit.linear(fit.prepare, self.batch)
+            total += fit.linear(fit.engine, self.batch) if first else 0.0
+            total += fit.linear(fit.sample, self.batch) if last else 0.0
+        elif timings is not None:
             scale = self.batch / timings.batch_size
             total += timings.prepare_s + (timings.engine_s if first else 0.0)
             total += timings.sample_s * scale if last else 0.0
@@ -142,7 +159,13 @@ class GraphPartitioner:
         context_len: int = 512,
         prompt_len: int = 128,
         wire_dtype: str = "bfloat16",
+        margin: float = 0.05,
+        previous: Sequence[int] | None = None,
     ) -> None:
+        """margin: candidates whose objective is within this fraction of the best are
+        treated as tied (profiles of one machine differ by a few percent between runs);
+        among tied ones the previous plan's cuts are kept if given, else the placement with
+        the fewest layers on the first tiers. previous: the cuts of the plan in use."""
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
         constraints = dict(constraints or {})
@@ -162,6 +185,10 @@ class GraphPartitioner:
         self.constraints = constraints
         self.batch_size, self.context_len, self.prompt_len = batch_size, context_len, prompt_len
         self.wire_dtype = wire_dtype
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}.")
+        self.margin = margin
+        self.previous = tuple(previous) if previous is not None else None
 
     def analyze(
         self,
@@ -196,7 +223,7 @@ class GraphPartitioner:
         candidates = tuple(self.estimate(cost, devices, links, cuts) for cuts in cut_sets)
         feasible = [c for c in candidates if c.feasible]
         if feasible:
-            chosen, message = min(feasible, key=self._objective), ""
+            chosen, message = self._choose(feasible), ""
         else:
             chosen, message = _closest(candidates), _why_infeasible(candidates)
         return PartitionPlan(
@@ -212,7 +239,26 @@ class GraphPartitioner:
             feasible=bool(feasible),
             message=message,
             candidates=candidates,
+            margin=self.margin,
         )
+
+    def _score(self, c: CutEstimate) -> float:
+        """The strategy's figure to minimise (ms per token, or s per token pipelined)."""
+        if self.strategy == "latency_aware":
+            return c.decode_latency_ms
+        return 1.0 / c.pipelined_tokens_per_s
+
+    def tied(self, candidates: Sequence[CutEstimate]) -> list[CutEstimate]:
+        """The candidates within the margin of the best score."""
+        best = min(self._score(c) for c in candidates)
+        return [c for c in candidates if self._score(c) <= best * (1 + self.margin)]
+
+    def _choose(self, feasible: list[CutEstimate]) -> CutEstimate:
+        tied = self.tied(feasible)
+        for c in tied:
+            if c.cuts == self.previous:
+                return c
+        return min(tied, key=lambda c: c.cuts)
 
     def _objective(self, c: CutEstimate) -> tuple[float, float]:
         if self.strategy == "latency_aware":

@@ -100,6 +100,38 @@ class PartitionPlan:
     feasible: bool
     message: str  # why no plan meets the constraints ("" when one does)
     candidates: tuple[CutEstimate, ...] = field(default=(), compare=False, repr=False)
+    margin: float = 0.0  # scores within this fraction of the best are ties
+
+    def why_not(self) -> list[str]:
+        """Per candidate other than the chosen one, why it lost."""
+        c = self.chosen
+        lines = []
+        for other in self.candidates:
+            if other.cuts == c.cuts:
+                continue
+            cut = f"cut {', '.join(map(str, other.cuts))}"
+            failing = [k.describe() for k in other.checks if not k.holds]
+            if failing:
+                lines.append(f"{cut}: {'; '.join(failing)}")
+                continue
+            if self.strategy == "latency_aware":
+                delta = other.decode_latency_ms / c.decode_latency_ms - 1
+                what = f"{other.decode_latency_ms:.2f} ms/token ({delta:+.1%})"
+            else:
+                delta = c.pipelined_tokens_per_s / other.pipelined_tokens_per_s - 1
+                what = f"{other.pipelined_tokens_per_s:.1f} tok/s pipelined ({-delta:+.1%})"
+            if delta <= self.margin:
+                lines.append(
+                    f"{cut}: {what}, within the {self.margin:.0%} margin: a tie, "
+                    "broken toward the plan in use or the fewest layers on the edge"
+                )
+            else:
+                slowest = max(other.tiers, key=lambda t: t.decode_ms)
+                lines.append(
+                    f"{cut}: {what}; its slowest tier {slowest.device} "
+                    f"{slowest.decode_ms:.2f} ms/step"
+                )
+        return lines
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -170,34 +202,57 @@ class PartitionPlan:
         lines += [("  ok    " if k.holds else "  FAIL  ") + k.describe() for k in c.checks]
         if not self.feasible:
             lines += ["", f"no plan meets the constraints: {self.message}"]
+        others = self.why_not()
+        if others:
+            lines += ["", "other placements:"] + [f"  {line}" for line in others]
         return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class TierSetting:
-    """What one process of a two-tier split runs, read from its plan."""
+    """What one process of a split runs, read from its plan."""
 
-    role: str  # "edge" | "cloud"
-    cut: int  # the first layer the cloud runs
+    role: str  # "edge" | "cloud" | "tierN" (a tier in between, N = its index in the chain)
+    cut: int  # edge: the first layer the next tier runs; others: this tier's first layer
     layers: tuple[int, int]  # this tier's decoder layers [start, end)
     wire_dtype: str  # hidden states on the wire
+    index: int = 0  # position in the chain (0 = edge)
+    num_tiers: int = 2
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_tiers - 1
+
+
+def tier_index(role: str, num_tiers: int) -> int:
+    """The chain position of a role: edge 0, cloud the last, tierN N."""
+    if role == "edge":
+        return 0
+    if role == "cloud":
+        return num_tiers - 1
+    if role.startswith("tier") and role[4:].isdigit() and 0 < int(role[4:]) < num_tiers:
+        return int(role[4:])
+    raise ValueError(f"partition role {role!r} is not a tier of a {num_tiers}-tier plan.")
 
 
 def load_tier(plan_path: str, role: str, num_layers: int) -> TierSetting:
-    """The tier `role` of the two-tier plan at plan_path, checked against the model."""
+    """The tier `role` of the plan at plan_path, checked against the model."""
     plan = PartitionPlan.load(plan_path)
-    if len(plan.cuts) != 1 or not 0 < plan.cuts[0] < num_layers:
+    cuts = list(plan.cuts)
+    if not cuts or cuts != sorted(set(cuts)) or not 0 < cuts[0] <= cuts[-1] < num_layers:
         raise ValueError(
-            f"partition plan {plan_path!r} has cuts {list(plan.cuts)}; the runtime runs "
-            f"two tiers, one cut in [1, {num_layers - 1}]."
+            f"partition plan {plan_path!r} has cuts {cuts}; each must lie in "
+            f"[1, {num_layers - 1}], increasing."
         )
     if plan.num_layers != num_layers:
         raise ValueError(
             f"partition plan {plan_path!r} is for {plan.num_layers} layers, the model "
             f"has {num_layers}."
         )
-    layers = plan.layer_range(0 if role == "edge" else -1)
-    return TierSetting(role, plan.cuts[0], layers, plan.wire_dtype)
+    index = tier_index(role, len(cuts) + 1)
+    layers = plan.layer_range(index)
+    cut = layers[1] if index == 0 else layers[0]
+    return TierSetting(role, cut, layers, plan.wire_dtype, index, len(cuts) + 1)
 
 
 def _cut_from_dict(data: dict[str, Any]) -> CutEstimate:

@@ -9,13 +9,20 @@ with forward hooks, plus the parts of a step outside the model (schedule, prepar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.partition.profiles import DeviceProfile, LayerTimings, LinkProfile
+from pagedllm.partition.profiles import (
+    DecodePoint,
+    DeviceProfile,
+    LayerTimings,
+    LinkProfile,
+    PrefillPoint,
+)
 
 __all__ = [
     "DeviceProfile",
@@ -75,6 +82,9 @@ def profile_device(
     else:
         capacity = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return DeviceProfile(name, flops, bandwidth, capacity, op, torch.get_num_threads())
+
+
+ROUNDS = 3  # the short profile visits every setting this many times, in turn
 
 
 # ---- measured per-layer timings ------------------------------------------------------------
@@ -187,8 +197,9 @@ def _decode_steps(
     from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"decode-{i}", _random_prompt(engine, context, gen), params)
+    ids = [f"decode-{batch}-{context}-{i}-{time.perf_counter_ns()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, _random_prompt(engine, context, gen), params)
     scheduler = engine.scheduler
     while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
         _timed_step(engine, timer, sync)
@@ -200,22 +211,35 @@ def _decode_steps(
         start = time.perf_counter()
         engine.step()
         outside.append(time.perf_counter() - start - sum(timer.totals))
-    engine.abort_request([f"decode-{i}" for i in range(batch)])
+    engine.abort_request(ids)
     return decode, outside
 
 
 def _prefill_steps(
-    engine: Any, timer: _NodeTimer, sync: Any, prompt: int, gen: Any
+    engine: Any, timer: _NodeTimer, sync: Any, prompt: int, gen: Any, repeats: int = 4
 ) -> list[list[float]]:
     from pagedllm.sampling_params import SamplingParams
 
     nodes = []
-    for i in range(3):
+    for i in range(repeats):
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        engine.add_request(f"prefill-{i}", _random_prompt(engine, prompt, gen), params)
+        rid = f"prefill-{prompt}-{i}-{len(engine.requests)}-{time.perf_counter_ns()}"
+        engine.add_request(rid, _random_prompt(engine, prompt, gen), params)
         nodes.append(_timed_step(engine, timer, sync).nodes)
-        engine.abort_request(f"prefill-{i}")
+        engine.abort_request(rid)
     return nodes
+
+
+def default_settings(
+    batch: int, context: int, prompt: int
+) -> tuple[list[int], list[int], list[int]]:
+    """The short profile's settings around the planned one: two batch sizes and two
+    context lengths for decode (enough to fit fixed + per-token + attention costs), three
+    prompt lengths for prefill."""
+    batches = sorted({batch, 2 * batch + 2})
+    contexts = sorted({max(4, context // 4), context})
+    prompts = sorted({max(4, prompt // 4), max(4, prompt // 2), prompt})
+    return batches, contexts, prompts
 
 
 def measure_layer_timings(
@@ -226,8 +250,11 @@ def measure_layer_timings(
     prompt_len: int = 128,
     steps: int = 8,
     threads: int | None = None,
+    settings: tuple[list[int], list[int], list[int]] | None = None,
 ) -> LayerTimings:
-    """Run the model on this machine and time every graph node, decode and prefill.
+    """Run the model on this machine and time every graph node, decode and prefill, at the
+    planned setting and the short profile's others (``settings``: batches, contexts and
+    prompt lengths; default ``default_settings``).
 
     The model runs on a thread of its own, as in a deployment (the server's engine thread,
     the cloud worker's RPC thread): on a busy machine, intra-op threads started from the
@@ -237,10 +264,20 @@ def measure_layer_timings(
 
     if threads is not None:
         torch.set_num_threads(threads)
+    settings = settings or default_settings(batch_size, context_len, prompt_len)
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(
-            _measure, engine_args, device_name, batch_size, context_len, prompt_len, steps
-        ).result()
+        timings = pool.submit(
+            _measure, engine_args, device_name, batch_size, context_len, prompt_len, steps,
+            settings,
+        ).result()  # fmt: skip
+    return dataclasses.replace(timings, threads=torch.get_num_threads())
+
+
+def _decode_point(decode: list[_StepTimes], outside: list[float], b: int, c: int) -> DecodePoint:
+    prepare = _lower_quartile([[s.prepare] for s in decode])[0]
+    sample = _lower_quartile([[s.sample] for s in decode])[0]
+    engine = max(0.0, _lower_quartile([[x] for x in outside])[0] - prepare - sample)
+    return DecodePoint(b, c, _lower_quartile([s.nodes for s in decode]), prepare, sample, engine)
 
 
 def _measure(
@@ -250,32 +287,53 @@ def _measure(
     context_len: int,
     prompt_len: int,
     steps: int,
+    settings: tuple[list[int], list[int], list[int]],
 ) -> LayerTimings:
     import torch
 
-    engine = _profiling_engine(engine_args, batch_size, context_len, prompt_len, steps)
+    batches, contexts, prompts = settings
+    batches = sorted({*batches, batch_size})
+    contexts = sorted({*contexts, context_len})
+    prompts = sorted({*prompts, prompt_len})
+    engine = _profiling_engine(engine_args, max(batches), max(contexts), max(prompts), steps)
     runner = engine.executor.local_runner
     model, dev = runner.model, runner.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     nodes = [[model.model.embed_tokens], *[[x] for x in model.model.layers]]
     timer = _NodeTimer([*nodes, [model.model.norm, model.lm_head]], sync)
     gen = torch.Generator().manual_seed(0)
+    settings_bc = [(b, c) for b in batches for c in contexts]
+    decode_runs: dict[tuple[int, int], tuple[list, list]] = {s: ([], []) for s in settings_bc}
+    prefill_runs: dict[int, list] = {p: [] for p in prompts}
+    per_round = max(3, -(-steps // ROUNDS))
     try:
-        decode, outside = _decode_steps(engine, timer, sync, batch_size, context_len, steps, gen)
-        prefill = _prefill_steps(engine, timer, sync, prompt_len, gen)
+        # Round robin over the settings: a busy spell of the machine then lands on every
+        # setting alike instead of on whichever was being measured, so the fit's shape (how
+        # time grows with batch and context) is the model's, not the neighbours'.
+        for _ in range(ROUNDS):
+            for b, c in settings_bc:
+                decode, outside = _decode_steps(engine, timer, sync, b, c, per_round, gen)
+                decode_runs[(b, c)][0].extend(decode)
+                decode_runs[(b, c)][1].extend(outside)
+            for p in prompts:
+                prefill_runs[p].extend(_prefill_steps(engine, timer, sync, p, gen, repeats=2))
     finally:
         timer.remove()
         engine.shutdown()
-    prepare = _lower_quartile([[s.prepare] for s in decode])[0]
-    sample = _lower_quartile([[s.sample] for s in decode])[0]
+    points = [_decode_point(*decode_runs[s], *s) for s in settings_bc]
+    prefills = [PrefillPoint(p, _lower_quartile(prefill_runs[p])) for p in prompts]
+    ref = next(p for p in points if (p.batch, p.context) == (batch_size, context_len))
+    ref_prefill = next(p for p in prefills if p.prompt == prompt_len)
     return LayerTimings(
         device=device_name,
         batch_size=batch_size,
         context_len=context_len,
         prompt_len=prompt_len,
-        decode_s=_lower_quartile([s.nodes for s in decode]),
-        prefill_s=_lower_quartile(prefill),
-        prepare_s=prepare,
-        sample_s=sample,
-        engine_s=max(0.0, _lower_quartile([[x] for x in outside])[0] - prepare - sample),
+        decode_s=ref.nodes,
+        prefill_s=ref_prefill.nodes,
+        prepare_s=ref.prepare,
+        sample_s=ref.sample,
+        engine_s=ref.engine,
+        decode_points=tuple(points),
+        prefill_points=tuple(prefills),
     )

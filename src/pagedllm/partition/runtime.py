@@ -18,15 +18,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig, PartitionConfig
 from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.outputs import Logprob, TokenLogprobs
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
+from pagedllm.partition.adapt import LinkMonitor
 from pagedllm.partition.plan import TierSetting, load_tier
 from pagedllm.partition.profiles import LinkProfile
 from pagedllm.partition.transport import (
@@ -109,8 +112,8 @@ def tier_runner(
 ) -> tuple[PartitionConfig, TierSetting, ModelRunner]:
     """Read this process's tier from the plan and build a model runner for its layers."""
     partition = config.partition
-    assert partition is not None and partition.role == role
-    tier = load_tier(partition.plan, role, config.model.num_layers)
+    assert partition is not None and (partition.role == role or role == "receiver")
+    tier = load_tier(partition.plan, partition.role, config.model.num_layers)
     model = dataclasses.replace(config.model, layer_range=tier.layers)
     return partition, tier, ModelRunner(model, config.cache, config.scheduler, config.device)
 
@@ -127,11 +130,16 @@ class SplitExecutor(Executor):
         self.client: TierClient | None = None
         self.num_blocks = 0
         self._synced: dict[int, int] = {}  # seq_id -> tokens of it the cloud holds
+        self.monitor = LinkMonitor()  # per-step edge / remote / link times, for re-planning
+        self.outstanding = 0  # steps sent and not yet answered
+        self.max_outstanding = 0  # the most at once: > 1 when the tiers pipelined
 
     def _hello(self, num_blocks: int, connect_timeout_s: float) -> int:
         """Open a session: the cloud sizes its cache to at most num_blocks; returns its count."""
         self._drop_session()
-        self.client = TierClient(self.partition.address, connect_timeout_s)
+        self.client = TierClient(
+            self.partition.address, connect_timeout_s, envs.PAGEDLLM_SPLIT_REPLY_TIMEOUT()
+        )
         reply, _ = self.client.exchange(
             {
                 "kind": "hello",
@@ -162,7 +170,7 @@ class SplitExecutor(Executor):
 
     def _reconnect(self) -> None:
         try:
-            got = self._hello(self.num_blocks, RECONNECT_TIMEOUT_S)
+            got = self._hello_retrying()
             if got != self.num_blocks:
                 raise RemoteError(
                     f"the cloud worker at {self.partition.address} now has room for {got} KV "
@@ -172,7 +180,21 @@ class SplitExecutor(Executor):
             self._drop_session()
             raise ExecutorLostError(str(e)) from None
 
+    def _hello_retrying(self) -> int:
+        """Hello again; a worker still closing the session a lost link cut answers busy
+        for a moment, so that answer is retried until RECONNECT_TIMEOUT_S."""
+        deadline = time.monotonic() + RECONNECT_TIMEOUT_S
+        while True:
+            try:
+                return self._hello(self.num_blocks, RECONNECT_TIMEOUT_S)
+            except PeerLostError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def _drop_session(self) -> None:
+        self.outstanding = 0
+        self.monitor.reset()
         if self.client is not None:
             self.client.close()
         self.client = None
@@ -206,19 +228,61 @@ class SplitExecutor(Executor):
         return rows
 
     def execute_model(self, out: SchedulerOutput) -> ModelOutput:
+        return self.collect(self.submit(out))
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.partition.pipeline_depth
+
+    def submit(self, out: SchedulerOutput) -> object:
+        """Run this tier's layers for the step and send it on without waiting: with
+        pipeline_depth > 1 the engine submits the next micro-batch while the cloud works."""
         if self.client is None:
             self._reconnect()
         assert self.client is not None
         released = [sid for sid in out.finished_seq_ids if self._synced.pop(sid, None) is not None]
+        start = time.perf_counter()
         inp = self.runner.prepare_input(out)
         tensors = encode_hidden(self.runner.forward(inp), self.tier.wire_dtype)
         meta = {"kind": "step", "seqs": self._layout(out), "release": released}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.monitor.sent(time.perf_counter() - start, nbytes)
         try:
-            reply, _ = self.client.exchange(meta, tensors)
+            self.client.send(meta, tensors)
         except (PeerLostError, RemoteError) as e:
             self._drop_session()
             raise ExecutorLostError(str(e)) from None
+        self.outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        return self.client
+
+    def collect(self, handle: object) -> ModelOutput:
+        if handle is not self.client or self.client is None:
+            raise ExecutorLostError("the session this step was sent on is gone")
+        self.outstanding -= 1
+        try:
+            reply, _ = self.client.receive()
+        except (PeerLostError, RemoteError) as e:
+            self._drop_session()
+            raise ExecutorLostError(str(e)) from None
+        self.monitor.received(float(reply.get("compute_ms", 0.0)), 8 * len(reply["sampled"]))
         return output_from_wire(reply)
+
+    def ping_ms(self, repeats: int = 20, payload_bytes: int = 0) -> list[float]:
+        """Round trips of an empty step to the cloud over the real path (RTT plus the
+        transport's own cost per exchange), in ms, sorted."""
+        if self.client is None:
+            self._reconnect()
+        assert self.client is not None
+        payload = {}
+        if payload_bytes:
+            payload = {"hidden": torch.zeros(max(1, payload_bytes // 4), dtype=torch.float32)}
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.client.exchange({"kind": "ping"}, payload)
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)
 
     @property
     def local_runner(self) -> ModelRunner:
@@ -230,10 +294,22 @@ class SplitExecutor(Executor):
 
 # ---- the cloud -----------------------------------------------------------------------------
 class CloudWorker:
-    """The last tier: layers [k, L) + head over mirrored sequences, served to one edge."""
+    """A tier after the edge, served to one edge (or the tier before it) at a time: layers
+    [k, L) + head over mirrored sequences when it is the last tier; layers [k1, k2) when
+    it is a tier in between, which hands each step on to ``next_address`` and returns
+    that tier's reply (a chain edge -> gateway -> cloud)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.partition, self.tier, self.runner = tier_runner(config, "cloud")
+    def __init__(self, config: EngineConfig, next_address: str | None = None) -> None:
+        self.partition, self.tier, self.runner = tier_runner(config, "receiver")
+        if self.tier.index == 0:
+            raise ValueError("the edge tier runs the engine (SplitExecutor), not a worker.")
+        if not self.tier.is_last and next_address is None:
+            raise ValueError(
+                f"tier {self.tier.index} of {self.tier.num_tiers} hands its steps on: give "
+                "the next tier's address (--next-address)."
+            )
+        self.next_address = next_address
+        self.next: TierClient | None = None
         self.max_blocks = self.runner.plan_kv_cache().num_blocks
         self.seqs: dict[int, Sequence] = {}  # seq_id -> mirror of the edge's sequence
         self._lock = threading.Lock()
@@ -242,7 +318,14 @@ class CloudWorker:
         with self._lock:
             if meta["kind"] == "hello":
                 return self._hello(meta), {}
-            return output_to_wire(self._step(meta, tensors)), {}
+            if meta["kind"] == "ping":  # the edge measuring the link: answer at once
+                return {}, {}
+            start = time.perf_counter()
+            if not self.tier.is_last:
+                return self._forward_step(meta, tensors, start)
+            reply = output_to_wire(self._step(meta, tensors))
+            reply["compute_ms"] = (time.perf_counter() - start) * 1e3
+            return reply, {}
 
     def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
         hf = self.runner.model_config.hf_config
@@ -253,12 +336,35 @@ class CloudWorker:
         }
         for key, value in expected.items():
             if meta[key] != value:
-                raise ValueError(f"the edge has {key}={meta[key]}, this cloud worker {value}")
+                raise ValueError(f"the edge has {key}={meta[key]}, this worker {value}")
         num_blocks = min(int(meta["num_blocks"]), self.max_blocks)
         self.close()
+        if not self.tier.is_last:  # the tiers after this one agree on the count too
+            assert self.next_address is not None
+            self.next = TierClient(
+                self.next_address, RECONNECT_TIMEOUT_S, envs.PAGEDLLM_SPLIT_REPLY_TIMEOUT()
+            )
+            reply, _ = self.next.exchange(
+                {**meta, "cut": self.tier.layers[1], "num_blocks": num_blocks}, {}
+            )
+            num_blocks = int(reply["num_blocks"])
         self.runner.ensure_kv_cache(num_blocks)
         logger.info("session open: layers [%d, %d), %d KV blocks", *self._range(), num_blocks)
         return {"num_blocks": num_blocks}
+
+    def _forward_step(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], start: float
+    ) -> Any:
+        """A tier in between: run its layers, hand the step on, return the next's reply
+        (whose compute_ms then covers this tier, the link after it and the tiers after)."""
+        if self.next is None:
+            raise ValueError("no session with the next tier (hello first)")
+        inp = self._prepare(meta)
+        hidden = decode_hidden(tensors, self.runner.dtype, self.runner.device)
+        out = encode_hidden(self.runner.forward(inp, hidden), self.tier.wire_dtype)
+        reply, reply_tensors = self.next.exchange(meta, out)
+        reply["compute_ms"] = (time.perf_counter() - start) * 1e3
+        return reply, reply_tensors
 
     def _range(self) -> tuple[int, int]:
         return self.tier.layers
@@ -280,13 +386,16 @@ class CloudWorker:
         seq.block_table = table
         return ScheduledSequence(seq, num_new)
 
-    def _step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ModelOutput:
+    def _prepare(self, meta: dict[str, Any]) -> Any:
         for seq_id in meta["release"]:
             self._forget(seq_id)
         scheduled = [self._mirror(row) for row in meta["seqs"]]
         out = SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled))
+        return self.runner.prepare_input(out)
+
+    def _step(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ModelOutput:
         runner = self.runner
-        inp = runner.prepare_input(out)
+        inp = self._prepare(meta)
         hidden = decode_hidden(tensors, runner.dtype, runner.device)
         return runner.compute_output(inp, runner.forward(inp, hidden))
 
@@ -295,9 +404,13 @@ class CloudWorker:
             self.runner.release([seq_id])
 
     def close(self) -> None:
-        """The edge went away: forget its sequences (the KV blocks are the edge's to reuse)."""
+        """The edge went away: forget its sequences (the KV blocks are the edge's to reuse)
+        and end the session with the next tier, which then forgets them too."""
         for seq_id in list(self.seqs):
             self._forget(seq_id)
+        if self.next is not None:
+            self.next.close()
+            self.next = None
 
     def serve(self, emulate: LinkProfile | None = None) -> TierServer:
         """A started server for this worker at the partition's address."""

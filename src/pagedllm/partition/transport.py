@@ -134,8 +134,11 @@ class TierServer:
 class TierClient:
     """The edge's end of the session stream: exchange() sends one message, returns the reply."""
 
-    def __init__(self, address: str, connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str, connect_timeout_s: float = 30.0, reply_timeout_s: float | None = None
+    ) -> None:
         self.address = address
+        self.reply_timeout_s = reply_timeout_s
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
@@ -151,16 +154,40 @@ class TierClient:
         self._finalizer = weakref.finalize(self, _end_session, self._outbox, self._channel)
 
     def exchange(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        self.send(meta, tensors)
+        return self.receive()
+
+    def send(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Queue one message; replies come back in order (receive), so several may be in
+        flight: the other tier works on one while this one prepares the next."""
         self._outbox.put(pack(meta, tensors))
+
+    def receive(self) -> Message:
+        """The reply to the oldest message sent and not yet answered."""
+        # A link that drops everything leaves the socket open and silent: keepalive would
+        # notice only after its timeouts, so a reply that is this late ends the session.
+        timer = None
+        if self.reply_timeout_s is not None:
+            timer = threading.Timer(self.reply_timeout_s, self._replies.cancel)
+            timer.daemon = True
+            timer.start()
         try:
             reply_meta, reply_tensors = unpack(next(self._replies))
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and timer is not None:
+                raise PeerLostError(
+                    f"no reply from the cloud worker at {self.address} within "
+                    f"{self.reply_timeout_s:g}s: the link or the worker is lost"
+                ) from None
             raise PeerLostError(
                 f"lost the connection to the cloud worker at {self.address}: "
                 f"{e.code().name}: {e.details()}"
             ) from None
         except StopIteration:
             raise PeerLostError(f"the cloud worker at {self.address} closed the session") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
         if "error" in reply_meta:
             raise RemoteError(f"cloud worker at {self.address}: {reply_meta['error']}")
         return reply_meta, reply_tensors
@@ -179,7 +206,7 @@ def measure_overhead_ms(payload_bytes: int = 4096, repeats: int = 50) -> float:
     ``overhead_ms`` of a LinkProfile for this machine."""
     server = TierServer(lambda meta, tensors: ({}, {}), lambda: None, "127.0.0.1:0")
     server.start()
-    client = TierClient(server.address)
+    client = TierClient(server.address, reply_timeout_s=60.0)  # as the edge runs it
     payload = {"hidden": torch.zeros(max(1, payload_bytes // 2), dtype=torch.bfloat16)}
     try:
         times = []

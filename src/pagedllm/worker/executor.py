@@ -51,6 +51,20 @@ class Executor(ABC):
         or inspect the model, never for running steps outside ``execute_model``."""
 
     @property
+    def pipeline_depth(self) -> int:
+        """How many steps may be in flight at once (submit / collect); 1: execute_model."""
+        return 1
+
+    def submit(self, out: SchedulerOutput) -> object:
+        """Start a step and return a handle for collect (pipeline_depth > 1 only)."""
+        return out
+
+    def collect(self, handle: object) -> ModelOutput:
+        """Finish the oldest submitted step."""
+        assert isinstance(handle, SchedulerOutput)
+        return self.execute_model(handle)
+
+    @property
     def is_driver(self) -> bool:
         """False on a process that only serves another process's engine (see run_worker)."""
         return True

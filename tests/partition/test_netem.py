@@ -1,0 +1,120 @@
+"""The emulated network: namespaces + veth + tbf + the delaying proxy, and a split engine
+across it losing its link mid-stream."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.ci import unavailable as ci_unavailable
+from helpers.oracle import hf_greedy
+from helpers.partition import emulated_link, make_plan
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.partition import netem
+from pagedllm.partition.netem import DelayProxy, EmulatedNetwork
+from pagedllm.sampling_params import SamplingParams
+
+ENGINE = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
+ECHO = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(); print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+while d := c.recv(1 << 16):
+    c.sendall(d)
+"""
+
+
+@pytest.fixture
+def network():
+    reason = netem.unavailable()
+    if reason is not None:
+        ci_unavailable(f"emulated network: {reason}")
+    with EmulatedNetwork(rate_mbit=50) as net:
+        yield net
+    assert (
+        net.edge_ns
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
+
+
+def _round_trip_ms(conn: socket.socket, size: int) -> float:
+    start = time.perf_counter()
+    conn.sendall(b"x" * size)
+    got = 0
+    while got < size:
+        got += len(conn.recv(1 << 16))
+    return (time.perf_counter() - start) * 1e3
+
+
+def test_rate_and_delay_are_those_asked_for_and_change_at_run_time(network):
+    echo = subprocess.Popen(
+        [*network.exec_prefix(), sys.executable, "-c", ECHO, network.cloud_ip],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(echo.stdout.readline())
+        with DelayProxy(f"{network.cloud_ip}:{port}", network.edge_ns, rtt_ms=20) as proxy:
+            host, p = proxy.address.rsplit(":", 1)
+            conn = socket.create_connection((host, int(p)))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            slow = sorted(_round_trip_ms(conn, 16) for _ in range(7))
+            proxy.set(rtt_ms=2)
+            fast = sorted(_round_trip_ms(conn, 16) for _ in range(7))
+            # 1 MB each way through a 50 Mbit/s bucket: at least 160 ms of serialisation
+            bulk = _round_trip_ms(conn, 1_000_000)
+            conn.close()
+    finally:
+        echo.kill()
+        echo.wait()
+    assert 20 <= slow[0] and statistics.median(slow) < 20 + 15, slow
+    assert 2 <= fast[0] and statistics.median(fast) < 2 + 15, fast
+    assert bulk >= 0.9 * 1e6 * 8 / 50e6 * 1e3, bulk
+
+
+def test_link_lost_mid_stream_fails_in_flight_requests_and_recovers(
+    model_factory, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PAGEDLLM_SPLIT_REPLY_TIMEOUT", "3")
+    model = model_factory("llama", num_hidden_layers=4)
+    plan = make_plan(model, 2, tmp_path / "plan.json")
+    with emulated_link(model, plan, rtt_ms=1) as link:
+        args = EngineArgs(
+            model=str(model), partition=str(plan), partition_address=link.address, **ENGINE
+        )
+        engine = LLMEngine.from_engine_args(args)
+        long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(str(i), [5 + i, 6, 7, 8], long)
+        for _ in range(3):
+            assert not any(o.finished for o in engine.step())
+        link.proxy.down()  # every byte from now on is dropped, the sockets stay open
+        start = time.perf_counter()
+        outputs = engine.step()
+        assert time.perf_counter() - start < 3 + 5
+        assert sorted(o.request_id for o in outputs) == ["0", "1", "2"]
+        for out in outputs:
+            assert out.finished and out.outputs[0].finish_reason == "error"
+            assert "no reply from the cloud worker" in out.error
+            assert len(out.outputs[0].token_ids) >= 3  # what was generated is kept
+        assert not engine.has_unfinished_requests()
+        engine.check_integrity()
+        assert engine.block_manager.usage == 0.0
+        # While the link is down a new request fails too (no silent loss) ...
+        engine.add_request("during", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
+        assert engine.step()[0].outputs[0].finish_reason == "error"
+        link.proxy.up()  # ... and once it is back, requests complete again
+        engine.add_request(
+            "after", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        engine.shutdown()
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert outs[0].outputs[0].token_ids == hf_greedy(model, [[5, 6, 7]], 8)[0]
