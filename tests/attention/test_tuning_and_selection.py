@@ -78,16 +78,16 @@ def test_cpu_install_never_imports_triton():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_failed_build_warns_and_falls_back_to_torch(monkeypatch):
-    from torch.utils import cpp_extension
-
+def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
     from pagedllm.attention import cpu_backend, cpu_kernels
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
-    def no_compiler(**kwargs):
+    def no_compiler(*args: object) -> None:
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    # a machine with no kernel built yet, whose build fails
+    monkeypatch.setattr(cpu_kernels, "_build_root", lambda: tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_compile", no_compiler)
     with pytest.warns(RuntimeWarning, match="using the torch attention path"):
         assert cpu_kernels.load.__wrapped__() is False
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)

@@ -89,13 +89,23 @@ def test_mistral_prompt_longer_than_window(model_factory, hf_cache):
 def test_n_greater_than_one_shares_prompt_blocks(model_factory):
     model_dir = model_factory("llama")
     llm = LLM(str(model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
+    computed: list[int] = []  # tokens run through the model, step by step
+
+    class Batched:
+        def record(self, _scheduler_stats: object, iteration: object) -> None:
+            computed.append(iteration.num_batched_tokens)
+
+    llm.llm_engine.add_stat_logger(Batched())
     prompt = random_prompts(1, 33, 33, seed=6)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert len(out.outputs) == 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    bm = llm.llm_engine.block_manager
-    # the two followers reuse the leader's 8 full prompt blocks (32 tokens each)
-    assert bm.prefix_cache_hits >= 2 * 32
+    # the two followers reuse the leader's 8 full prompt blocks (32 tokens each): the prompt
+    # is computed once (33 tokens) plus each follower's last prompt token, then 5 more decode
+    # tokens per sample (the 6th sampled token is never fed back)
+    assert sum(computed) == 33 + 2 * 1 + 3 * 5
+    # the prompt was looked up once, for the request (vLLM counts so)
+    assert llm.llm_engine.block_manager.prefix_cache_queries == 33
     seqs = {tuple(c.token_ids) for c in out.outputs}
     assert len(seqs) > 1  # distinct seeds per sample

@@ -253,14 +253,7 @@ class LLMEngine:
             logger.exception("model step failed; failing the requests in it")
             failed = {item.seq.request_id for item in sched_out.scheduled}
             return self._fail_requests(failed, f"model step failed: {e}", iteration)
-        num_before = {item.seq.seq_id: item.seq.num_output_tokens for item in sched_out.scheduled}
-        updated = self.scheduler.update(sched_out, model_out.sampled, model_out.spec_token_ids)
-        for seq in self.structured.advance(updated):  # the grammar ended (or was violated)
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        iteration.spec_decoding = self._spec_decoding_stats(sched_out, model_out)
-        outputs = self._process(sched_out, model_out, updated, num_before, iteration)
-        self._record(iteration)
-        return outputs
+        return self._finish_step(sched_out, model_out, iteration)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """With an executor that keeps several steps in flight (a pipelined split): submit
@@ -295,8 +288,19 @@ class LLMEngine:
             return self._fail_running(str(e), iteration)
         # a sequence aborted while its step was in flight is already gone
         sched_out.scheduled = [i for i in sched_out.scheduled if not i.seq.is_finished]
-        updated = self.scheduler.update(sched_out, model_out.sampled)
-        outputs = self._process(sched_out, model_out, updated, iteration)
+        return self._finish_step(sched_out, model_out, iteration)
+
+    def _finish_step(
+        self, sched_out: SchedulerOutput, model_out: ModelOutput, iteration: IterationStats
+    ) -> list[RequestOutput]:
+        """Apply a run step's tokens: the scheduler's update (accepted drafts, rollback,
+        token-level stops), grammar ends, detokenization and stop strings, statistics."""
+        num_before = {item.seq.seq_id: item.seq.num_output_tokens for item in sched_out.scheduled}
+        updated = self.scheduler.update(sched_out, model_out.sampled, model_out.spec_token_ids)
+        for seq in self.structured.advance(updated):  # the grammar ended (or was violated)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        iteration.spec_decoding = self._spec_decoding_stats(sched_out, model_out)
+        outputs = self._process(sched_out, model_out, updated, num_before, iteration)
         self._record(iteration)
         return outputs
 
