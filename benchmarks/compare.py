@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import BENCH_125M, build_bench_model, default_model_dir, machine  # noqa: E402
+from serving import wait_healthy  # noqa: E402
 from throughput import WORKLOADS, Request, make_workload, run_hf, run_pagedllm  # noqa: E402
 
 PRECISIONS = {"fp32": {"dtype": "float32"}, "int8": {"dtype": "float32", "quantization": "int8"}}
@@ -189,7 +190,7 @@ class LlamaServer:
         cmd += ["--log-disable"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
-        _wait_healthy(self.url, self.proc)
+        wait_healthy(self.url, self.proc, timeout=300)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -200,22 +201,6 @@ class LlamaServer:
     def run(self, reqs: list[Request]) -> float:
         """All requests at once; seconds until the last one finished."""
         return asyncio.run(_llama_all(self.url, reqs))
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("llama-server did not become healthy")
 
 
 async def _llama_all(url: str, reqs: list[Request]) -> float:
