@@ -1,13 +1,14 @@
 """pagedllm: LLM inference and serving with a paged KV cache and a vLLM-compatible API.
 
-The public names are imported lazily, so that the torch-free core (``pagedllm.engine``'s
+The public names are imported lazily, so that the torch-free core (``pagedllm.core``'s
 scheduler and block manager) can be used without loading torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedllm.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -37,10 +38,7 @@ __all__ = [  # noqa: RUF022 - the order of _EXPORTS
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:

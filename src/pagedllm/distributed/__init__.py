@@ -3,8 +3,7 @@ set-up from the standard rendezvous. Names are imported on first use."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm.lazy import lazy_getattr
 
 _EXPORTS = {
     "Communicator": "pagedllm.distributed.communicator",
@@ -14,7 +13,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ prometheus_client (the ``serve`` extra).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm.lazy import lazy_getattr
 
 _EXPORTS = {
     "InferenceMonitor": "pagedllm.metrics.monitor",
@@ -18,7 +17,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pagedllm.metrics' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -8,8 +8,7 @@ imported on first use, so ``import pagedllm.partition`` loads neither torch nor 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm.lazy import lazy_getattr
 
 _LAZY = {
     "DeviceProfile": "pagedllm.partition.profiles",
@@ -22,7 +21,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)
