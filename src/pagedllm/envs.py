@@ -89,6 +89,12 @@ def PAGEDLLM_CPU_FUSED_OPS() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"
 
 
+def PAGEDLLM_CPU_FUSED_DECODER() -> bool:  # noqa: N802
+    """Run a CPU model's decoder layers in one C++ call per step (default on; needs the fused
+    ops); 0 runs them module by module in Python (the same kernels, the same results)."""
+    return os.environ.get("PAGEDLLM_CPU_FUSED_DECODER", "1") != "0"
+
+
 def PAGEDLLM_SPLIT_REPLY_TIMEOUT() -> float:  # noqa: N802
     """Seconds the edge of a split waits for a tier's reply to one step before it declares
     the link lost (fails the running requests, reconnects on a later step)."""

@@ -76,6 +76,14 @@ class AttentionBackend(ABC):
         """Another backend to run this call instead (inputs this one does not support)."""
         return None
 
+    def cpu_kernel_tiles(
+        self, dtype: torch.dtype, num_heads: int, key_cache: torch.Tensor
+    ) -> tuple[int, int] | None:
+        """(block_m, block_n) when ``forward`` of num_heads query heads in dtype over this
+        paged cache is the cache write plus one call of the C++ CPU kernel with these tiles
+        (what the fused CPU decoder layers replay); None otherwise."""
+        return None
+
     @abstractmethod
     def attend(
         self, call: PagedAttentionCall, metadata: AttentionMetadata

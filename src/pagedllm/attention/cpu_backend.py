@@ -12,6 +12,7 @@ import torch
 from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backend import AttentionBackend, VarlenKernelBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.attention.tuning import get_tuning
 
 
 class CpuAttentionBackend(VarlenKernelBackend):
@@ -26,6 +27,17 @@ class CpuAttentionBackend(VarlenKernelBackend):
         if self._kernel and cpu_kernels.supports(query, key_cache):
             return None
         return self._torch
+
+    def cpu_kernel_tiles(
+        self, dtype: torch.dtype, num_heads: int, key_cache: torch.Tensor
+    ) -> tuple[int, int] | None:
+        head_dim = key_cache.shape[-1]
+        query = torch.empty(0, num_heads, head_dim, dtype=dtype)
+        if key_cache.dim() != 4 or self.delegate(query, key_cache) is not None:
+            return None
+        # the tiles varlen_attention picks for this call (cpu_kernels.varlen_attention)
+        tuning = get_tuning("cpu", head_dim, num_heads // key_cache.shape[-2], dtype)
+        return tuning.block_m, tuning.block_n
 
     @property
     def uses_kernel(self) -> bool:

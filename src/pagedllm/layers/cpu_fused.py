@@ -1,9 +1,12 @@
-"""The C++ fused elementwise ops for CPU (csrc/fused_ops.cpp), built on first use.
+"""The C++ fused ops for CPU (csrc/fused_ops.cpp), built on first use.
 
 Residual add + RMSNorm, and the rotary embedding of q and k, each one pass and one parallel
 region in place of several small ATen ops (each a pass over memory and a thread-pool round
-trip). Built like the attention kernel (torch.utils.cpp_extension, cached per instruction
-set); when it cannot be built, or PAGEDLLM_CPU_FUSED_OPS=0, the layers keep their torch ops.
+trip). And the decoder layers of a model in one call (:func:`decoder_layers`): the same
+kernels in the same order as the layers' Python forward, without its per-module overhead,
+which at batch 1 costs about as much as the products. Built like the attention kernel
+(torch.utils.cpp_extension, cached per instruction set); when it cannot be built, or
+PAGEDLLM_CPU_FUSED_OPS=0, the layers keep their torch ops.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pagedllm import envs
 from pagedllm.attention.cpu_kernels import _arch_flags, _cpu_fingerprint
+from pagedllm.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,11 @@ def usable(x: torch.Tensor) -> bool:
     )
 
 
+def decoder_usable(x: torch.Tensor) -> bool:
+    """Whether :func:`decoder_layers` may run on activations like x."""
+    return envs.PAGEDLLM_CPU_FUSED_DECODER() and usable(x)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,3 +93,53 @@ def rotary_neox(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x [T, 2 * d] = [gate | up] -> [T, d]."""
     return torch.ops.pagedllm_fused.silu_and_mul(x)
+
+
+@dataclass
+class DecoderOperands:
+    """The flat operand lists of :func:`decoder_layers`, layer after layer (the layout is
+    csrc/fused_ops.cpp's: per layer 22 tensors, 10 ints and 3 floats)."""
+
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    ints: list[int] = field(default_factory=list)
+    floats: list[float] = field(default_factory=list)
+
+    def add_layer(
+        self,
+        norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]],
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention: tuple[list[torch.Tensor], list[int], float],
+        linears: list[tuple[list[torch.Tensor | None], int]],
+    ) -> None:
+        """One layer: (input, post-attention) norms as (weight, eps), rotary (cos, sin), the
+        attention layer's operands, and the qkv, o, gate_up and down linears' operands."""
+        (in_w, in_eps), (post_w, post_eps) = norms
+        caches, attn_ints, scale = attention
+        self.tensors += [in_w, post_w, *rotary, *caches]
+        for tensors, _ in linears:
+            self.tensors += tensors
+        self.ints += attn_ints + [levels for _, levels in linears]
+        self.floats += [in_eps, post_eps, scale]
+
+
+def decoder_layers(
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    operands: DecoderOperands,
+    metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer over the step's tokens: (hidden, residual) after the last layer,
+    as the layers' own forward would return them (the final norm is the caller's)."""
+    batch = metadata.batch
+    return torch.ops.pagedllm_fused.decoder_layers(
+        hidden,
+        None,
+        positions.contiguous(),
+        operands.tensors,
+        operands.ints,
+        operands.floats,
+        metadata.slot_mapping,
+        batch.cu_seqlens_q.contiguous(),
+        batch.seq_lens_k.contiguous(),
+        metadata.block_table,
+    )

@@ -34,6 +34,10 @@ class RMSNorm(nn.Module):
             x = x + residual
         return self._norm(x), x
 
+    def fused_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
+        """(weight, eps) for the fused CPU decoder layers, which take activations in dtype."""
+        return (self.weight, self.eps) if self.weight.dtype == dtype else None
+
     def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         return (
             x.dim() == 2

@@ -146,6 +146,10 @@ class Int8Kernel:
         """The int8 weight [N, K] as stored in a checkpoint (tests and saving)."""
         return self.qweight
 
+    def fused_operands(self, bias: torch.Tensor | None) -> tuple[list[torch.Tensor | None], int] | None:
+        """What the fused CPU decoder layers take for this product; None: they cannot run it."""
+        return None
+
 
 @functools.cache
 def _cpu_has_vnni() -> bool:
@@ -210,6 +214,9 @@ class CpuInt8Kernel(Int8Kernel):
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_int8.linear(x.float(), self.packed, self.rowsum, self.scale, self.levels)
+
+    def fused_operands(self, bias: torch.Tensor | None) -> tuple[list[torch.Tensor | None], int]:
+        return [self.packed, self.rowsum, self.scale, bias], self.levels
 
     def weight_int8(self) -> torch.Tensor:
         return cpu_int8.unpack(self.packed, self.shape)
@@ -278,6 +285,11 @@ class _Int8Matmul:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.quant_kernel(x, bias)
+
+    def fused_operands(self) -> tuple[list[torch.Tensor | None], int] | None:
+        if self.comm.world_size != 1:  # type: ignore[attr-defined]
+            return None
+        return self.quant_kernel.fused_operands(self.bias)  # type: ignore[attr-defined]
 
 
 class Int8ReplicatedLinear(_Int8Matmul, ReplicatedLinear):

@@ -81,6 +81,10 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
+    def fused_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) tables for the fused CPU decoder layers, whose q and k are in dtype."""
+        return (self.cos, self.sin) if self.cos.dtype == dtype else None
+
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.metadata import ForwardContext
 from pagedllm.config import head_dim, num_kv_heads
+from pagedllm.layers import cpu_fused
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -115,6 +117,41 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden, reduce), residual
 
+    def fused_watch(self) -> list[tuple[dict[str, Any], str]]:
+        """(namespace, name) of each attribute whose replacement changes this layer's fused
+        operands: the KV cache and backend bound to its attention, its modules, each linear's
+        weight and int8 kernel (quantization swaps those in place). Read from the namespaces
+        directly, the check costs microseconds a step."""
+        attn, mlp = self.self_attn, self.mlp
+        watch = [
+            (attn.attn.__dict__, "key_cache"), (attn.attn.__dict__, "backend"),
+            (attn._modules, "qkv_proj"), (attn._modules, "o_proj"),
+            (mlp._modules, "gate_up_proj"), (mlp._modules, "down_proj"),
+            (self._modules, "self_attn"), (self._modules, "mlp"),
+        ]  # fmt: skip
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            watch += [(lin._parameters, "weight"), (lin.__dict__, "quant_kernel")]
+        return watch
+
+    def add_fused_operands(self, dtype: torch.dtype, operands: cpu_fused.DecoderOperands) -> bool:
+        """Append this layer to the fused CPU decoder's operands; False if it cannot run it
+        (then nothing is appended)."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = (
+            self.input_layernorm.fused_operands(dtype),
+            self.post_attention_layernorm.fused_operands(dtype),
+        )
+        rotary = attn.rotary_emb.fused_operands(dtype)
+        attention = attn.attn.fused_operands(dtype)
+        linears = [
+            lin.fused_operands()
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if None in norms or rotary is None or attention is None or None in linears:
+            return False
+        operands.add_layer(norms, rotary, attention, linears)  # type: ignore[arg-type]
+        return True
+
     def stages(self) -> tuple[Stage, Stage]:
         """The two halves forward runs, each ending in a row-parallel all-reduce."""
         return self.attention_stage, self.mlp_stage
@@ -134,6 +171,9 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        # (dtype, [(namespace, name, object)], operands) of _cpu_fused_operands
+        self._fused_operands: tuple[torch.dtype, list, cpu_fused.DecoderOperands | None] | None
+        self._fused_operands = None
 
     def forward(
         self,
@@ -143,11 +183,49 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """hidden_states [T, hidden], when given, replace the embedding of input_ids."""
         hidden = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        operands = self._cpu_fused_operands(hidden)
+        if operands is not None:
+            hidden, residual = cpu_fused.decoder_layers(
+                hidden, positions, operands, ForwardContext.get()
+            )
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _cpu_fused_operands(self, hidden: torch.Tensor) -> cpu_fused.DecoderOperands | None:
+        """The operands of the fused CPU decoder layers when every layer can run there (a
+        CPU model on one rank, float or C++ int8 linears, the C++ attention kernel).
+
+        Collecting them costs about a tenth of a batch-1 step, so they are kept until a layer's
+        KV cache or one of its modules is replaced (cache allocation, quantization)."""
+        if len(self.layers) == 0 or hidden.dim() != 2 or not cpu_fused.decoder_usable(hidden):
+            return None
+        cached = self._fused_operands
+        if (
+            cached is not None
+            and cached[0] is hidden.dtype
+            and all(space.get(name) is obj for space, name, obj in cached[1])
+        ):
+            return cached[2]
+        operands: cpu_fused.DecoderOperands | None = cpu_fused.DecoderOperands()
+        watch = [(self._modules, "layers", self.layers)]
+        watch += [(self.layers._modules, name, layer) for name, layer in self.layers.named_children()]
+        for layer in self.layers:
+            if getattr(layer, "passes_through", False):  # another tier's layer
+                continue
+            if not isinstance(layer, LlamaDecoderLayer):
+                operands = None
+                break
+            watch += [(space, name, space.get(name)) for space, name in layer.fused_watch()]
+            if operands is not None and not layer.add_fused_operands(hidden.dtype, operands):
+                operands = None
+        if operands is not None and not operands.tensors:
+            operands = None  # a tier without decoder layers
+        self._fused_operands = (hidden.dtype, watch, operands)
+        return operands
 
 
 class LlamaForCausalLM(nn.Module):

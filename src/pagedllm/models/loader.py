@@ -32,6 +32,8 @@ class MissingLayer(nn.Module):
 class PassThroughLayer(MissingLayer):
     """A decoder layer of another tier: (hidden, residual) go through unchanged."""
 
+    passes_through = True  # nothing to run: the fused CPU decoder layers skip it
+
     def forward(  # type: ignore[override]
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -4,9 +4,9 @@
 // of the torch path. The arithmetic follows the torch path step by step, rounding to the
 // tensor dtype where it does (built with -ffp-contract=off, so no FMA changes a rounding);
 // only the order of the RMS sum differs from ATen's reduction.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -194,6 +194,136 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+
+// ---- the decoder layers of a Llama-family model in one call --------------------------------
+// At decode a layer's own work is a few small products; the Python around them (a dozen
+// module calls, views and checks per layer) then costs as much as the products. This op runs
+// the layers' sequence of kernels from C++: the same kernels, in the same order, on the same
+// tensors as the Python path (models/llama.py), so its results are identical to it.
+//
+// Per layer, `tensors` holds kTensorsPerLayer entries: the two norm weights, the rotary
+// tables, the layer's key and value cache, then four linear layers (qkv, o, gate_up, down)
+// as (weight, rowsum, scale, bias): rowsum undefined is a float weight (at::linear), else the
+// packed int8 weight of pagedllm_int8::int8_linear. `ints` holds kIntsPerLayer entries (heads,
+// KV heads, head size, window, attention tiles, the four linears' activation levels) and
+// `floats` kFloatsPerLayer (the two norms' eps, the attention scale).
+constexpr int64_t kTensorsPerLayer = 22, kIntsPerLayer = 10, kFloatsPerLayer = 3;
+
+using Int8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
+                                const c10::optional<std::string>&);
+using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                         const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t,
+                         int64_t);
+
+// The int8 GEMM and the attention kernel live in their own libraries (loaded before this op
+// is called); they are reached through the dispatcher, looked up once.
+const c10::TypedOperatorHandle<Int8LinearFn>& int8_linear_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_int8::int8_linear", "")
+                             .typed<Int8LinearFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_attention::varlen_attention", "")
+                             .typed<AttentionFn>();
+  return op;
+}
+
+const at::Tensor& entry(const c10::List<c10::optional<at::Tensor>>& tensors, int64_t i,
+                        at::Tensor& slot) {
+  const c10::optional<at::Tensor> value = tensors.get(i);
+  slot = value.has_value() ? *value : at::Tensor();
+  return slot;
+}
+
+// x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 one the
+// kernel on float32 activations, cast back to x's dtype, then the bias (Int8Kernel.__call__).
+at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& tensors,
+                  int64_t first, int64_t levels) {
+  at::Tensor w, rowsum, scale, bias;
+  entry(tensors, first, w);
+  entry(tensors, first + 1, rowsum);
+  entry(tensors, first + 2, scale);
+  entry(tensors, first + 3, bias);
+  const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias)
+                                                     : c10::nullopt;
+  if (!rowsum.defined()) return at::linear(x, w, b);
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor y = int8_linear_op().call(xf, w, rowsum, scale, levels, c10::nullopt, c10::nullopt);
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  return bias.defined() ? y + bias : y;
+}
+
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(x, residual, weight, eps);
+  } else {
+    add_rms_norm_impl<c10::BFloat16>(x, residual, weight, eps);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& hidden_in, const c10::optional<at::Tensor>& residual_in,
+    const at::Tensor& positions, const c10::List<c10::optional<at::Tensor>>& tensors,
+    at::IntArrayRef ints, c10::ArrayRef<double> floats, const at::Tensor& slot_mapping,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k,
+    const at::Tensor& block_table) {
+  const int64_t layers = int64_t(tensors.size()) / kTensorsPerLayer;
+  TORCH_CHECK(int64_t(tensors.size()) == layers * kTensorsPerLayer &&
+                  int64_t(ints.size()) == layers * kIntsPerLayer &&
+                  int64_t(floats.size()) == layers * kFloatsPerLayer,
+              "decoder_layers: operand lists of different layer counts");
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.stride(1) == 1, "hidden: [T, D]");
+  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat || hidden_in.scalar_type() == at::kBFloat16,
+              "decoder_layers: float32 or bfloat16");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
+  const int64_t tokens = hidden_in.size(0);
+  at::Tensor hidden = hidden_in, residual;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+  } else {  // the first norm starts the residual stream (RMSNorm.forward with residual None)
+    residual = at::zeros_like(hidden);
+    hidden = hidden.clone();
+  }
+  at::Tensor in_w, post_w, cos, sin, key_cache, value_cache;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t t0 = l * kTensorsPerLayer;
+    const int64_t* in = ints.data() + l * kIntsPerLayer;
+    const double* fl = floats.data() + l * kFloatsPerLayer;
+    const int64_t heads = in[0], kv_heads = in[1], dim = in[2];
+    entry(tensors, t0, in_w);
+    entry(tensors, t0 + 1, post_w);
+    entry(tensors, t0 + 2, cos);
+    entry(tensors, t0 + 3, sin);
+    entry(tensors, t0 + 4, key_cache);
+    entry(tensors, t0 + 5, value_cache);
+    // attention stage: norm, qkv, rotary, cache write, paged attention, o
+    add_rms_norm(hidden, residual, in_w, fl[0]);
+    const at::Tensor qkv = linear(hidden, tensors, t0 + 6, in[6]);
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+    auto [q_rot, k_rot] = rotary_neox(positions, q, k, cos, sin);
+    key_cache.view({-1, kv_heads, dim}).index_copy_(0, slot_mapping, k_rot);
+    value_cache.view({-1, kv_heads, dim}).index_copy_(0, slot_mapping, v);
+    const at::Tensor attn = at::empty_like(q_rot);
+    attention_op().call(q_rot, key_cache, value_cache, attn, cu_seqlens_q, seq_lens_k,
+                        c10::nullopt, block_table, c10::nullopt, fl[2], in[3], 0, in[4], in[5]);
+    hidden = linear(attn.view({tokens, q_size}), tensors, t0 + 10, in[7]);
+    // MLP stage: norm, gate_up, silu * up, down
+    add_rms_norm(hidden, residual, post_w, fl[1]);
+    const at::Tensor gate_up = linear(hidden, tensors, t0 + 14, in[8]);
+    hidden = linear(silu_and_mul(gate_up), tensors, t0 + 18, in[9]);
+  }
+  return {hidden, residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_fused, m) {
@@ -201,10 +331,14 @@ TORCH_LIBRARY(pagedllm_fused, m) {
   m.def("rotary_neox(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> "
         "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("decoder_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] tensors, "
+        "int[] ints, float[] floats, Tensor slot_mapping, Tensor cu_seqlens_q, "
+        "Tensor seq_lens_k, Tensor block_table) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_fused, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_neox", &rotary_neox);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("decoder_layers", &decoder_layers);
 }

@@ -117,9 +117,25 @@ void block_scalar(const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
     const int8_t* w, const uint8_t* xu, int64_t kp, int32_t* acc) {
-  __m512i a[M];
-  for (int r = 0; r < M; ++r) a[r] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < kp / kGroup; ++g) {
+  __m512i a[M], b[M];
+  for (int r = 0; r < M; ++r) a[r] = b[r] = _mm512_setzero_si512();
+  const int64_t groups = kp / kGroup;
+  int64_t g = 0;
+  // Two accumulator chains (even and odd groups): a single vpdpbusd chain is latency-bound
+  // at M = 1 when the weight is in cache.
+  for (; g + 2 <= groups; g += 2) {
+    const int8_t* wg = w + g * kRows * kGroup;
+    const __m512i w0 = _mm512_loadu_si512(wg);
+    const __m512i w1 = _mm512_loadu_si512(wg + kRows * kGroup);
+    for (int r = 0; r < M; ++r) {
+      int32_t x0, x1;
+      std::memcpy(&x0, xu + r * kp + g * kGroup, 4);
+      std::memcpy(&x1, xu + r * kp + (g + 1) * kGroup, 4);
+      a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(x0), w0);
+      b[r] = _mm512_dpbusd_epi32(b[r], _mm512_set1_epi32(x1), w1);
+    }
+  }
+  for (; g < groups; ++g) {
     const __m512i wv = _mm512_loadu_si512(w + g * kRows * kGroup);
     for (int r = 0; r < M; ++r) {
       int32_t xg;
@@ -127,7 +143,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
       a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(xg), wv);
     }
   }
-  for (int r = 0; r < M; ++r) _mm512_storeu_si512(acc + r * kRows, a[r]);
+  for (int r = 0; r < M; ++r)
+    _mm512_storeu_si512(acc + r * kRows, _mm512_add_epi32(a[r], b[r]));
 }
 
 template <int M>
