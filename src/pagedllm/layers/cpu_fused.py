@@ -143,3 +143,23 @@ def decoder_layers(
         batch.seq_lens_k.contiguous(),
         metadata.block_table,
     )
+
+
+GEMV_MAX_ROWS = 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] W^T + bias for M <= GEMV_MAX_ROWS (float32 sums), streaming the weight once."""
+    return torch.ops.pagedllm_fused.gemv(x, weight, bias)
+
+
+def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` takes this product (the layers then use it instead of F.linear)."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_ROWS
+        and x.stride(1) == 1
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and usable(x)
+    )

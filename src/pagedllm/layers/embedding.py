@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.distributed.communicator import Communicator
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.layers import cpu_fused
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,6 +57,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary slice of each rank, gathered into the full vocabulary."""
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, rows]
+        if cpu_fused.gemv_usable(hidden, self.weight):  # a few rows on the CPU (decode)
+            return cpu_fused.gemv(hidden, self.weight, None)
         return F.linear(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]

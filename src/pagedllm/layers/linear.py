@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.distributed.communicator import Communicator
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.layers import cpu_fused
 
 
 def _param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:  # noqa: ANN001
@@ -37,7 +38,10 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + bias; a quantized layer overrides this and nothing else."""
+        """x W^T + bias; a quantized layer overrides this and nothing else. A few rows on the
+        CPU (decode) take the C++ GEMV, which streams the weight at memory speed."""
+        if cpu_fused.gemv_usable(x, self.weight):
+            return cpu_fused.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
