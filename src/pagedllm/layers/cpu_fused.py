@@ -145,7 +145,8 @@ def decoder_layers(
     )
 
 
-GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = 4  # what the kernel takes
+GEMV_USE_ROWS = 1  # where it beats F.linear (at 2-4 rows its loop is compute-bound)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -154,10 +155,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gemv` takes this product (the layers then use it instead of F.linear)."""
+    """Whether the layers run this product with :func:`gemv` instead of F.linear."""
     return (
         x.dim() == 2
-        and x.shape[0] <= GEMV_MAX_ROWS
+        and x.shape[0] <= GEMV_USE_ROWS
         and x.stride(1) == 1
         and weight.dtype == x.dtype
         and weight.is_contiguous()

@@ -197,10 +197,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // ---- matrix-vector products for a few rows (decode) ----------------------------------------
 // y[M, N] = x[M, K] W[N, K]^T (+ bias) for M <= kGemvMaxRows, float32 or bfloat16 with float32
-// sums. At a few rows a linear layer only streams its weight, and does so at a fraction of
-// the memory bandwidth through the BLAS call (about 14 of 35 GB/s on a 2-core AVX-512 CPU):
-// here each thread walks whole weight rows from start to end, once for all rows of x.
+// sums. At one row a linear layer only streams its weight, and does so at a fraction of the
+// memory bandwidth through the BLAS call (about 14 of 35 GB/s on a 2-core AVX-512 CPU): here
+// each thread walks whole weight rows from start to end. From two rows on this loop is
+// compute-bound and slower than the BLAS call, so the layers use it for one row only.
 constexpr int64_t kGemvMaxRows = 4;
+constexpr int64_t kGemvUseRows = 1;  // rows at which the layers take it
 constexpr int kLanes = 16;  // partial sums per row of x: a reduction the compiler vectorizes
 
 // Rows [n0, n1) of y for M rows of x (xf: x in float32, [M][k]).
@@ -331,7 +333,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias)
                                                      : c10::nullopt;
   if (!rowsum.defined()) {
-    if (x.size(0) <= kGemvMaxRows && (x.scalar_type() == at::kFloat ||
+    if (x.size(0) <= kGemvUseRows && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16))
       return gemv(x, w, b);  // what LinearBase.matmul runs at these rows
     return at::linear(x, w, b);
