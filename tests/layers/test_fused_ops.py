@@ -103,3 +103,33 @@ def test_silu_and_mul_matches_torch(monkeypatch, dtype) -> None:
     assert calls == [1]
     tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else _tol(dtype)
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_torch(dtype, rows, bias) -> None:
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 200, dtype=dtype), torch.randn(70, 200, dtype=dtype)
+    b = torch.randn(70, dtype=dtype) if bias else None
+    got = cpu_fused.gemv(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == (rows, 70)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_linear_layer_takes_the_gemv_at_one_row_only(monkeypatch) -> None:
+    from pagedllm.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(48, 32, bias=True)
+    layer.weight.copy_(torch.randn(32, 48))
+    layer.bias.copy_(torch.randn(32))
+    calls = []
+    real = cpu_fused.gemv
+    monkeypatch.setattr(cpu_fused, "gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert calls == [1]
