@@ -12,7 +12,6 @@ from helpers.generation import random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import cpu_fused
-from pagedllm.models import llama
 
 CASES = [
     ("llama", "float32", None),
@@ -32,21 +31,21 @@ def kernel() -> None:
 
 
 class FusedCounter:
-    """Counts forwards that took the fused path; off=True makes every forward skip it."""
+    """Counts calls of the fused decoder layers; off() makes every forward skip them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        self.off = False
-        real = llama.LlamaModel._cpu_fused_operands
+        self._monkeypatch = monkeypatch
+        real = cpu_fused.decoder_layers
 
-        def counted(model: llama.LlamaModel, hidden: torch.Tensor):  # noqa: ANN202
-            if self.off:
-                return None
-            operands = real(model, hidden)
-            self.calls += operands is not None
-            return operands
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.calls += 1
+            return real(*args, **kwargs)
 
-        monkeypatch.setattr(llama.LlamaModel, "_cpu_fused_operands", counted)
+        monkeypatch.setattr(cpu_fused, "decoder_layers", counted)
+
+    def off(self) -> None:
+        self._monkeypatch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "0")
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -82,8 +81,10 @@ def test_fused_layers_equal_the_python_layers(model_factory, monkeypatch, arch, 
     hits = engine.block_manager.prefix_cache_hits
     assert hits > 0
     engine.block_manager.reset_prefix_cache()
-    counter.off = True
+    counter.off()
+    calls = counter.calls
     python = generate(llm, prompts)
+    assert counter.calls == calls
     assert engine.block_manager.prefix_cache_hits - hits > 0
     assert fused == python  # token ids and logprobs, bit for bit
 
@@ -126,3 +127,22 @@ def test_replaced_modules_and_caches_are_seen(model_factory, monkeypatch):
     runner.allocate_kv_cache(runner.num_blocks)
     generate(llm, prompt)
     assert model._fused_operands[2] is not operands
+
+
+def test_hooked_layers_run_one_by_one_with_the_same_results(model_factory, monkeypatch):
+    """With forward hooks on the layers (the partition profiler times each one) every layer
+    is its own fused call, the hooks fire, and nothing else changes."""
+    counter = FusedCounter(monkeypatch)
+    llm = LLM(str(model_factory("llama")), dtype="float32", max_num_seqs=2)
+    prompts = random_prompts(2, 10, 20, seed=5)
+    whole = generate(llm, prompts)
+    layers = llm.llm_engine.model.model.layers
+    steps = counter.calls
+    seen = []
+    handles = [layer.register_forward_hook(lambda *_: seen.append(1)) for layer in layers]
+    calls = counter.calls
+    one_by_one = generate(llm, prompts)
+    for h in handles:
+        h.remove()
+    assert one_by_one == whole
+    assert len(seen) == counter.calls - calls == len(layers) * steps

@@ -127,13 +127,15 @@ def decoder_layers(
     positions: torch.Tensor,
     operands: DecoderOperands,
     metadata: AttentionMetadata,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every decoder layer over the step's tokens: (hidden, residual) after the last layer,
-    as the layers' own forward would return them (the final norm is the caller's)."""
+    """The decoder layers of ``operands`` over the step's tokens: (hidden, residual) after the
+    last, as the layers' own forward would return them (the final norm is the caller's);
+    residual None: the first layer starts the residual stream."""
     batch = metadata.batch
     return torch.ops.pagedllm_fused.decoder_layers(
         hidden,
-        None,
+        residual,
         positions.contiguous(),
         operands.tensors,
         operands.ints,

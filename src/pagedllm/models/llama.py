@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from pagedllm.attention.metadata import ForwardContext
 from pagedllm.config import head_dim, num_kv_heads
@@ -24,6 +25,9 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+
+# The cached operands of the fused CPU decoder layers: (dtype, watch list, operands or None).
+FusedCache = tuple[torch.dtype, list[tuple[dict[str, Any], str, Any]], "cpu_fused.DecoderOperands | None"]
 
 # (positions, hidden, residual, reduce) -> (hidden, residual); reduce=False leaves the
 # row-parallel partial sums for the caller to all-reduce (communication overlap).
@@ -96,6 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(c, dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self._fused_operands: FusedCache | None = None  # this layer alone, see forward
 
     def attention_stage(
         self,
@@ -159,6 +164,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on its own (LlamaModel runs all layers in one call where it can)."""
+        operands = _cpu_fused_operands(self, [self], hidden)
+        if operands is not None:
+            return cpu_fused.decoder_layers(
+                hidden, positions, operands, ForwardContext.get(), residual
+            )
         hidden, residual = self.attention_stage(positions, hidden, residual)
         return self.mlp_stage(positions, hidden, residual)
 
@@ -171,9 +182,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        # (dtype, [(namespace, name, object)], operands) of _cpu_fused_operands
-        self._fused_operands: tuple[torch.dtype, list, cpu_fused.DecoderOperands | None] | None
-        self._fused_operands = None
+        self._fused_operands: FusedCache | None = None  # see _cpu_fused_operands
 
     def forward(
         self,
@@ -183,7 +192,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """hidden_states [T, hidden], when given, replace the embedding of input_ids."""
         hidden = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
-        operands = self._cpu_fused_operands(hidden)
+        # All layers in one C++ call, unless a layer has forward hooks (the partition
+        # profiler times each layer): then each layer runs on its own (fused where it can).
+        operands = None if _hooked(self.layers) else _cpu_fused_operands(self, self.layers, hidden)
         if operands is not None:
             hidden, residual = cpu_fused.decoder_layers(
                 hidden, positions, operands, ForwardContext.get()
@@ -195,37 +206,51 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _cpu_fused_operands(self, hidden: torch.Tensor) -> cpu_fused.DecoderOperands | None:
-        """The operands of the fused CPU decoder layers when every layer can run there (a
-        CPU model on one rank, float or C++ int8 linears, the C++ attention kernel).
 
-        Collecting them costs about a tenth of a batch-1 step, so they are kept until a layer's
-        KV cache or one of its modules is replaced (cache allocation, quantization)."""
-        if len(self.layers) == 0 or hidden.dim() != 2 or not cpu_fused.decoder_usable(hidden):
-            return None
-        cached = self._fused_operands
-        if (
-            cached is not None
-            and cached[0] is hidden.dtype
-            and all(space.get(name) is obj for space, name, obj in cached[1])
-        ):
-            return cached[2]
-        operands: cpu_fused.DecoderOperands | None = cpu_fused.DecoderOperands()
-        watch = [(self._modules, "layers", self.layers)]
-        watch += [(self.layers._modules, name, layer) for name, layer in self.layers.named_children()]
-        for layer in self.layers:
-            if getattr(layer, "passes_through", False):  # another tier's layer
-                continue
-            if not isinstance(layer, LlamaDecoderLayer):
-                operands = None
-                break
-            watch += [(space, name, space.get(name)) for space, name in layer.fused_watch()]
-            if operands is not None and not layer.add_fused_operands(hidden.dtype, operands):
-                operands = None
-        if operands is not None and not operands.tensors:
-            operands = None  # a tier without decoder layers
-        self._fused_operands = (hidden.dtype, watch, operands)
-        return operands
+def _hooked(layers: nn.ModuleList) -> bool:
+    """Whether forward hooks watch the layers (so they must be called one by one)."""
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return True
+    return any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+
+
+def _cpu_fused_operands(
+    owner: nn.Module, layers: list[nn.Module] | nn.ModuleList, hidden: torch.Tensor
+) -> cpu_fused.DecoderOperands | None:
+    """The operands of the fused CPU decoder layers for ``layers`` when each can run there (a
+    CPU model on one rank, float or C++ int8 linears, the C++ attention kernel); None if one
+    cannot. Another tier's pass-through layers are skipped.
+
+    Collecting them costs about a tenth of a batch-1 step, so they are kept on ``owner``
+    until a layer's KV cache or one of its modules is replaced (cache allocation,
+    quantization): a watch list of (namespace, name, object) is checked instead."""
+    if hidden.dim() != 2 or not cpu_fused.decoder_usable(hidden):
+        return None
+    cached = owner._fused_operands
+    if (
+        cached is not None
+        and cached[0] is hidden.dtype
+        and all(space.get(name) is obj for space, name, obj in cached[1])
+    ):
+        return cached[2]
+    operands: cpu_fused.DecoderOperands | None = cpu_fused.DecoderOperands()
+    watch = []
+    if isinstance(layers, nn.ModuleList):  # the model's own list: entries may be replaced
+        watch += [(owner._modules, "layers", layers)]
+        watch += [(layers._modules, name, layer) for name, layer in layers.named_children()]
+    for layer in layers:
+        if getattr(layer, "passes_through", False):  # another tier's layer
+            continue
+        if not isinstance(layer, LlamaDecoderLayer):
+            operands = None
+            break
+        watch += [(space, name, space.get(name)) for space, name in layer.fused_watch()]
+        if operands is not None and not layer.add_fused_operands(hidden.dtype, operands):
+            operands = None
+    if operands is not None and not operands.tensors:
+        operands = None  # a tier without decoder layers
+    owner._fused_operands = (hidden.dtype, watch, operands)
+    return operands
 
 
 class LlamaForCausalLM(nn.Module):
