@@ -231,8 +231,18 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
         chosen = plan.cuts[0] if plan.cuts[0] in cuts else None
         results["links"][text] = {"chosen": chosen, "planned": plan.cuts[0], "cuts": rows[text]}
     if args.pipeline:
-        text = args.links[0]
-        cut = results["links"][text]["planned"]
+        text = args.pipeline_link
+        if text in results["links"]:
+            cut = results["links"][text]["planned"]
+        else:
+            link = dataclasses.replace(
+                LinkProfile.parse(text), overhead_ms=statistics.median(overhead.values())
+            )
+            partitioner = GraphPartitioner(
+                "latency_aware", None, 1, args.context_len + args.steps // 2, args.context_len,
+                args.wire_dtype,
+            )  # fmt: skip
+            cut = partitioner.analyze(graph, [edge_dev, cloud_dev], link).cuts[0]
         with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out, args) as (
             engine,
             worker,
@@ -261,7 +271,7 @@ def split_engine(model, graph, devices, cut, cloud_t, net, out, args):
 
 
 def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
-    """8 concurrent requests at the first link setting's planned cut: depth 2 vs depth 1."""
+    """8 concurrent requests at the pipeline link's planned cut: depth 2 vs depth 1."""
     n, tokens = 8, args.pipeline_tokens
     got = {}
     for depth in (1, 2):
@@ -346,6 +356,12 @@ def main() -> None:
     parser.add_argument("--wire-dtype", default="bfloat16")
     parser.add_argument("--no-pipeline", dest="pipeline", action="store_false")
     parser.add_argument("--pipeline-tokens", type=int, default=16)
+    parser.add_argument(
+        "--pipeline-link",
+        default="100mbit,20ms",
+        help="link of the pipelined-throughput run, at its planned cut (default: the "
+        "100 Mbit/s, 20 ms reference link)",
+    )
     parser.add_argument("--out", default="bench_out/partition")
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args()

@@ -11,9 +11,14 @@ The held-out split is the training script's: documents whose SHA-1 is divisible 
 It is reported for all held-out documents and separately for the documentation
 (pydoc topics and docstrings) and the stdlib source files.
 
+With --pin N the scores of the first N held-out documentation pages are written to
+MODEL/eval.json as well (with the Python version whose standard library made the corpus):
+tests/engine/test_demo_model.py checks the shipped model against them.
+
 examples:
   python tools/eval_demo_model.py models/pagedllm-demo
   python tools/eval_demo_model.py models/pagedllm-demo --json /tmp/demo-eval.json
+  python tools/eval_demo_model.py models/pagedllm-demo --pin 12
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import math
+import platform
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512, help="tokens per scoring window (512)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
     p.add_argument("--json", type=Path, help="also write the results to this file")
+    p.add_argument(
+        "--pin",
+        type=int,
+        metavar="N",
+        help="write MODEL/eval.json: these scores and those of the first N held-out "
+        "documentation pages",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tdm = _train_script()
@@ -127,7 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
+    if args.pin:
+        pages = pinned_pages(heldout, args.pin)
+        for m in args.models:
+            pinned = evaluate_folder(m, pages, args.window)["documentation"]
+            record = {
+                "heldout": results[str(m)],
+                "pinned": {"python": platform.python_version(), "pages": args.pin, **pinned},
+            }
+            (m / "eval.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def pinned_pages(heldout: list[str], n: int) -> list[str]:
+    """The first n held-out documentation pages (the tests' fixed sample)."""
+    return [doc for doc in heldout if not doc.startswith("# Lib/")][:n]
 
 
 if __name__ == "__main__":

@@ -54,3 +54,50 @@ def test_default_sampling_reads_like_text_not_a_loop():
         params.seed, params.max_tokens, params.ignore_eos = seed, 64, True
         sampled.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
     assert max(_repeated_trigram_share(ids) for ids in sampled) < 0.2
+
+
+def _tool(name: str):  # noqa: ANN202
+    """Import tools/<name>.py (tools/ is no package)."""
+    import importlib.util
+    import sys
+
+    path = DEMO.parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_model_scores_what_its_model_card_records():
+    """pagedllm's prompt logprobs over the pinned held-out documentation pages give the
+    bits per byte and top-1 accuracy that tools/eval_demo_model.py (transformers) recorded in
+    eval.json for the shipped weights: the weights are the ones described, and the engine
+    scores them as transformers does."""
+    import json
+    import math
+    import platform
+
+    record = json.loads((DEMO / "eval.json").read_text())["pinned"]
+    if platform.python_version() != record["python"]:
+        pytest.skip(f"the corpus is Python {record['python']}'s standard library")
+    evaluate = _tool("eval_demo_model")
+    train = _tool("train_demo_model")
+    _, heldout = train.split_corpus(train.build_corpus())
+    pages = evaluate.pinned_pages(heldout, record["pages"])
+    llm = LLM(str(DEMO), dtype="float32", kv_cache_memory_bytes=64 << 20)
+    tok = llm.get_tokenizer()
+    nats, hits, tokens, nbytes = 0.0, 0, 0, 0
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    for page in pages:
+        ids = [tok.bos_token_id, *tok.encode(page, add_special_tokens=False), tok.eos_token_id]
+        for window in evaluate._windows(ids, 512):
+            out = llm.generate([{"prompt_token_ids": window}], params, use_tqdm=False)[0]
+            for token, entry in zip(window[1:], out.prompt_logprobs[1:]):
+                nats -= entry[token].logprob
+                hits += entry[token].rank == 1
+                tokens += 1
+        nbytes += len(page.encode("utf-8"))
+    assert tokens == record["tokens"]
+    assert nats / math.log(2) / nbytes == pytest.approx(record["bits_per_byte"], rel=1e-4)
+    assert hits / tokens == pytest.approx(record["top1_accuracy"], abs=2 / tokens)
