@@ -1,9 +1,10 @@
 """Side by side in one run: this machine's peaks, pagedllm, HF transformers and llama.cpp.
 
 1. Peaks: GEMM rate at the benchmark model's own linear shapes (fp32, bf16, int8; 1, 32 and
-   256 rows) and memory bandwidth (read: a sum over 256 MiB; copy: read + write).
+   256 rows; the fastest product torch or pagedllm has at each shape, prepacked oneDNN
+   included) and memory bandwidth (read: a sum over 256 MiB; copy: read + write).
 2. Batch workloads (benchmarks/throughput.py: uniform, mixed, shared-prefix; token-id prompts,
-   greedy, ignore_eos): pagedllm fp32 and int8, HF transformers fp32 (best static batch,
+   greedy, ignore_eos): pagedllm fp32, bf16 and int8, HF transformers fp32 (best static batch,
    warmed up) and, with ``--llama-server PATH --gguf F ...``, llama.cpp's server (one slot per
    request, all requests sent at once) for every GGUF given.
 3. One user: one request of 128 prompt + 128 output tokens, decode tok/s and time to first
@@ -39,7 +40,11 @@ from common import BENCH_125M, build_bench_model, default_model_dir, machine  # 
 from serving import wait_healthy  # noqa: E402
 from throughput import WORKLOADS, Request, make_workload, run_hf, run_pagedllm  # noqa: E402
 
-PRECISIONS = {"fp32": {"dtype": "float32"}, "int8": {"dtype": "float32", "quantization": "int8"}}
+PRECISIONS = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},  # what dtype "auto" picks on a CPU with AVX-512 BF16
+    "int8": {"dtype": "float32", "quantization": "int8"},
+}
 
 
 # ---- the model's shapes and costs ------------------------------------------------------------
@@ -82,6 +87,21 @@ def _per_call(seconds: float, fn, *args: object) -> float:  # noqa: ANN001
     return (time.perf_counter() - start) / n
 
 
+def _float_gemm(seconds: float, x: torch.Tensor, w: torch.Tensor) -> float:
+    """Seconds per call of the fastest float product torch offers at this shape: F.linear
+    (MKL or oneDNN) or oneDNN with the weight prepacked for it (what inductor's freezing
+    uses), whichever wins; at one row also pagedllm's C++ GEMV."""
+    from pagedllm.layers import cpu_fused
+
+    best = _per_call(seconds, F.linear, x, w)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    best = min(best, _per_call(seconds, pointwise, x, packed, None, "none", [], ""))
+    if x.shape[0] == 1 and cpu_fused.load():
+        best = min(best, _per_call(seconds, cpu_fused.gemv, x, w, None))
+    return best
+
+
 def gemm_peaks(rows: list[int], seconds: float) -> dict[str, dict[int, float]]:
     """GFLOP/s of the model's linear shapes (weighted by how often a token meets each) per
     dtype and row count. int8: the fastest int8 product available (oneDNN's u8 x s8 GEMM or,
@@ -98,8 +118,8 @@ def gemm_peaks(rows: list[int], seconds: float) -> dict[str, dict[int, float]]:
             w = torch.randn(n, k) * 0.02
             x = torch.randn(m, k)
             flops += 2 * m * n * k * times
-            spent["fp32"] += times * _per_call(seconds, F.linear, x, w)
-            spent["bf16"] += times * _per_call(seconds, F.linear, x.bfloat16(), w.bfloat16())
+            spent["fp32"] += times * _float_gemm(seconds, x, w)
+            spent["bf16"] += times * _float_gemm(seconds, x.bfloat16(), w.bfloat16())
             q, scale = quantize_weight(w)
             packed = torch.ops.onednn.qlinear_prepack(q, None)
             zp = torch.zeros(n, dtype=torch.long)
@@ -340,14 +360,14 @@ def report(results: dict, model: Path) -> None:
         print(f"\n[{name}] {row['requests']} requests, {out} output tokens")
         for k in engines:
             print(f"  {k:22s} {out / row[k]:8.1f} out tok/s")
-        for prec in ("fp32", "int8"):
+        for prec in PRECISIONS:
             key = f"pagedllm {prec}"
             if key not in row:
                 continue
             for ref in [k for k in engines if not k.startswith("pagedllm")]:
                 print(f"  {key} / {ref}: {row[ref] / row[key]:.2f}x")
             flops = _run_flops(row, prec)
-            peak = peaks["gemm_gflops"][prec if prec == "int8" else "fp32"][256]
+            peak = peaks["gemm_gflops"][prec][256]
             rate = flops / row[key] / 1e9
             print(f"  {key} matmul {rate:.1f} GFLOP/s = {100 * rate / peak:.0f}% of the "
                   f"256-row GEMM rate ({peak:.1f})")  # fmt: skip

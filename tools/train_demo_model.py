@@ -902,7 +902,11 @@ def _readme_tables(report: dict[str, Any]) -> str:
         (
             "corpus tokens (train stream / held-out)",
             f"{c['train_tokens']:,} / {c['heldout_tokens']:,}"
-            + (f" (documentation x{c['docs_repeat']} in the stream)" if c.get("docs_repeat", 1) > 1 else ""),
+            + (
+                f" (documentation x{c['docs_repeat']} in the stream)"
+                if c.get("docs_repeat", 1) > 1
+                else ""
+            ),
         ),
         ("optimizer steps", f"{t['steps']:,} (batch {t['batch_size']} x {t['seq_len']} tokens)"),
         ("tokens seen", f"{t['tokens_seen']:,} ({t['epochs']:.2f} epochs)"),

@@ -131,5 +131,7 @@ def test_linear_layer_takes_the_gemv_at_one_row_only(monkeypatch) -> None:
     with torch.inference_mode():
         for rows in (1, 3):
             x = torch.randn(rows, 48)
-            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+            torch.testing.assert_close(
+                layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+            )
     assert calls == [1]

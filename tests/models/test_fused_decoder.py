@@ -60,7 +60,9 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[f
 
 
 @pytest.mark.parametrize(("arch", "dtype", "quantization"), CASES)
-def test_fused_layers_equal_the_python_layers(model_factory, monkeypatch, arch, dtype, quantization):
+def test_fused_layers_equal_the_python_layers(
+    model_factory, monkeypatch, arch, dtype, quantization
+):
     counter = FusedCounter(monkeypatch)
     llm = LLM(
         str(model_factory(arch)),

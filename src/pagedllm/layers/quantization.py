@@ -146,7 +146,9 @@ class Int8Kernel:
         """The int8 weight [N, K] as stored in a checkpoint (tests and saving)."""
         return self.qweight
 
-    def fused_operands(self, bias: torch.Tensor | None) -> tuple[list[torch.Tensor | None], int] | None:
+    def fused_operands(
+        self, bias: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor | None], int] | None:
         """What the fused CPU decoder layers take for this product; None: they cannot run it."""
         return None
 

@@ -27,7 +27,9 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 
 # The cached operands of the fused CPU decoder layers: (dtype, watch list, operands or None).
-FusedCache = tuple[torch.dtype, list[tuple[dict[str, Any], str, Any]], "cpu_fused.DecoderOperands | None"]
+FusedCache = tuple[
+    torch.dtype, list[tuple[dict[str, Any], str, Any]], "cpu_fused.DecoderOperands | None"
+]
 
 # (positions, hidden, residual, reduce) -> (hidden, residual); reduce=False leaves the
 # row-parallel partial sums for the caller to all-reduce (communication overlap).
