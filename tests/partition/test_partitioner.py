@@ -124,6 +124,36 @@ def test_measured_timings_replace_the_roofline():
     assert plan.chosen.decode_latency_ms == pytest.approx(11.5 + 5 + 10, abs=0.01)
 
 
+def test_a_tier_that_wakes_up_slowly_pays_for_its_idle_time(tmp_path):
+    """wake_s: a decode step after the tier idled costs more; the plan adds, for each tier,
+    the extra its profile gives at the time it idles per step (the others' share plus the
+    link), interpolated between the measured gaps."""
+    timings = LayerTimings(
+        device="edge",
+        batch_size=1,
+        context_len=512,
+        prompt_len=128,
+        decode_s=(0.0,) + (0.002,) * L + (0.0,),
+        prefill_s=(0.0,) * (L + 2),
+        engine_s=0.0,
+        prepare_s=0.0,
+        sample_s=0.0,
+        wake_s=((0.002, 0.0), (0.02, 0.004), (0.08, 0.006)),
+    )
+    assert timings.wake_penalty_s(0.0) == 0.0
+    assert timings.wake_penalty_s(0.011) == pytest.approx(0.002)
+    assert timings.wake_penalty_s(0.5) == pytest.approx(0.006)
+    path = tmp_path / "t.json"
+    timings.save(path)
+    assert LayerTimings.load(path) == timings
+    graph = uniform_graph().with_timings(timings)
+    plain = GraphPartitioner("latency_aware", wire_dtype="float32")
+    cut = plain.analyze(graph, [EDGE, CLOUD], FAST_LINK, cuts=[5]).chosen
+    # edge: 10 ms of layers; it idles 10 ms (link) + 5 ms (cloud) = 15 ms per step
+    assert cut.tiers[0].decode_ms == pytest.approx(10 + 1000 * timings.wake_penalty_s(0.015))
+    assert cut.decode_latency_ms == pytest.approx(25 + 1000 * timings.wake_penalty_s(0.015))
+
+
 def test_plan_round_trips_through_json(tmp_path):
     plan = analyze({"min_cloud_throughput": 200})
     plan.save(tmp_path / "plan.json")

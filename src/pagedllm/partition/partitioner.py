@@ -9,7 +9,10 @@ decoder layer) is costed and the best one that meets the constraints is chosen:
 - a link costs its RTT, the bytes over its bandwidth and a software overhead per exchange;
 - one decode step runs the tiers in turn, so the per-token latency is the sum of the tiers
   and links, and tokens/s is batch / that sum; ``pipelined_tokens_per_s`` is batch / the
-  slowest stage, the bound when tiers work on different steps at once.
+  slowest stage, the bound when tiers work on different steps at once;
+- each tier idles while the others and the links work, and a core that sat idle runs its
+  next step slower (clock, caches, a descheduled virtual CPU, sleeping worker threads): a
+  tier's measured ``wake_s`` (step cost after idle gaps) adds the extra for its idle time.
 
 Strategies: ``latency_aware`` minimises the per-token decode latency; ``throughput_aware``
 maximises the pipelined tokens/s. Constraints: ``max_edge_latency`` (ms per token, end to
@@ -121,6 +124,11 @@ class CostModel:
             total += timings.prepare_s + (timings.engine_s if first else 0.0)
             total += timings.sample_s * scale if last else 0.0
         return total
+
+    def wake_s(self, dev: DeviceProfile, idle_s: float) -> float:
+        """Extra seconds of a decode step on dev after idle_s of idling (0 unmeasured)."""
+        timings = self.graph.measured.get(dev.name)
+        return timings.wake_penalty_s(idle_s) if timings is not None else 0.0
 
     def tier_prefill_s(self, nodes: list[int], dev: DeviceProfile) -> float:
         return sum(self._scaled(i, dev, False) for i in nodes)
@@ -296,6 +304,12 @@ class GraphPartitioner:
             link_estimates.append(estimate)
             stages.append(transfer)
         step_ms = sum(t.decode_ms for t in tiers) + sum(e.decode_ms for e in link_estimates)
+        # Run one step at a time, each tier idles while the others and the links work; a
+        # tier's profile says what a step costs after such a pause (wake_s).
+        wake_ms = [cost.wake_s(dev, (step_ms - t.decode_ms) / 1e3) * 1e3 for dev, t in
+                   zip(devices, tiers)]  # fmt: skip
+        tiers = [dataclasses.replace(t, decode_ms=t.decode_ms + w) for t, w in zip(tiers, wake_ms)]
+        step_ms += sum(wake_ms)
         prefill_ms = sum(t.prefill_ms_per_token for t in tiers)
         prefill_ms += sum(e.prefill_ms_per_token for e in link_estimates)
         batch = cost.batch

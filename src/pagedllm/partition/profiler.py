@@ -215,6 +215,44 @@ def _decode_steps(
     return decode, outside
 
 
+WAKE_GAPS_S = (0.002, 0.02, 0.08)  # idle gaps probed: the RTTs of fast, medium, slow links
+
+
+def _wake_penalties(
+    engine: Any, batch: int, context: int, gen: Any, repeats: int = 6
+) -> tuple[tuple[float, float], ...]:
+    """(gap, extra seconds) for each of WAKE_GAPS_S: the median decode step after sleeping
+    the gap, less the median of back-to-back steps (both whole engine steps)."""
+    import statistics
+
+    from pagedllm.sampling_params import SamplingParams
+
+    steps = (len(WAKE_GAPS_S) + 1) * repeats + 8
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    ids = [f"wake-{i}-{time.perf_counter_ns()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, _random_prompt(engine, context, gen), params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
+        engine.step()
+
+    def timed(gap: float) -> float:
+        if gap:
+            time.sleep(gap)
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+
+    timed(0.0)  # warm-up
+    hot = statistics.median(timed(0.0) for _ in range(repeats))
+    out = []
+    for gap in WAKE_GAPS_S:
+        after = statistics.median(timed(gap) for _ in range(repeats))
+        out.append((gap, max(0.0, after - hot)))
+    engine.abort_request(ids)
+    return tuple(out)
+
+
 def _prefill_steps(
     engine: Any, timer: _NodeTimer, sync: Any, prompt: int, gen: Any, repeats: int = 4
 ) -> list[list[float]]:
@@ -317,6 +355,8 @@ def _measure(
                 decode_runs[(b, c)][1].extend(outside)
             for p in prompts:
                 prefill_runs[p].extend(_prefill_steps(engine, timer, sync, p, gen, repeats=2))
+        timer.remove()  # the wake-up cost is measured on the runtime's own path
+        wake = _wake_penalties(engine, batch_size, context_len, gen)
     finally:
         timer.remove()
         engine.shutdown()
@@ -336,4 +376,5 @@ def _measure(
         engine_s=ref.engine,
         decode_points=tuple(points),
         prefill_points=tuple(prefills),
+        wake_s=wake,
     )

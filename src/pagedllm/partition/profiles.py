@@ -115,6 +115,21 @@ class LayerTimings:
     threads: int | None = None  # torch threads the timings were taken with
     decode_points: tuple[DecodePoint, ...] = ()
     prefill_points: tuple[PrefillPoint, ...] = ()
+    # (seconds idle before a decode step, its extra seconds over a back-to-back step): in a
+    # split each tier idles while the others and the link work, and a core that sat idle
+    # (frequency, caches, a virtual CPU descheduled) runs the next step slower.
+    wake_s: tuple[tuple[float, float], ...] = ()
+
+    def wake_penalty_s(self, idle_s: float) -> float:
+        """Extra seconds of a decode step after idle_s of idling: linear between the
+        measured gaps (and zero idle, zero extra), the last gap's figure beyond it."""
+        points = [(0.0, 0.0), *sorted(self.wake_s)]
+        if len(points) == 1 or idle_s <= 0:
+            return 0.0
+        for (g0, e0), (g1, e1) in zip(points, points[1:]):
+            if idle_s <= g1:
+                return e0 + (e1 - e0) * (idle_s - g0) / (g1 - g0) if g1 > g0 else e1
+        return points[-1][1]
 
     def fitted(self) -> TimingModel | None:
         """The least-squares model over the points (None with too few distinct settings)."""
@@ -132,6 +147,7 @@ class LayerTimings:
         data["prefill_points"] = tuple(
             PrefillPoint(p["prompt"], tuple(p["nodes"])) for p in data.get("prefill_points", ())
         )
+        data["wake_s"] = tuple(tuple(p) for p in data.get("wake_s", ()))
         return cls(**data)
 
     @classmethod
