@@ -1,9 +1,10 @@
-// Fused elementwise ops of the decoder layers for CPU: residual add + RMSNorm, and the rotary
-// embedding of q and k. Each is one pass and one parallel region in place of the five to
+// Fused ops of the decoder layers for CPU. Residual add + RMSNorm, the rotary embedding of q
+// and k, and SiLU-and-mul: each one pass and one parallel region in place of the five to
 // fifteen small ATen ops (each its own pass over memory and its own thread-pool round trip)
 // of the torch path. The arithmetic follows the torch path step by step, rounding to the
 // tensor dtype where it does (built with -ffp-contract=off, so no FMA changes a rounding);
-// only the order of the RMS sum differs from ATen's reduction.
+// only the order of the RMS sum differs from ATen's reduction. Then a GEMV for one-row float
+// products, and decoder_layers: every layer of a step in one call (see there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -193,7 +194,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   }
   return out;
 }
-
 
 // ---- matrix-vector products for a few rows (decode) ----------------------------------------
 // y[M, N] = x[M, K] W[N, K]^T (+ bias) for M <= kGemvMaxRows, float32 or bfloat16 with float32
