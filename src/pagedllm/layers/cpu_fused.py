@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +31,35 @@ _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def built(name: str) -> bool:
+    """Whether torch.utils.cpp_extension.load(name=...) finds a build of that name (the
+    folder it uses: TORCH_EXTENSIONS_DIR as given, else the cache's per-Python folder)."""
+    base = envs.TORCH_EXTENSIONS_DIR()
+    if base is None:
+        cache = envs.XDG_CACHE_HOME() or str(Path.home() / ".cache")
+        flavour = (
+            "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+        )
+        base = str(
+            Path(cache)
+            / "torch_extensions"
+            / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
+        )
+    return (Path(base) / name / f"{name}.so").exists()
+
+
 @functools.cache
 def load() -> bool:
     """Build (first call of the first process) and load the ops; False if that fails."""
     arch = _arch_flags()
     name = "pagedllm_fused_" + (_cpu_fingerprint() if arch else "generic")
+    first = not built(name)
+    if first:
+        logger.warning(
+            "compiling the C++ fused CPU ops for this machine (once; about 15 s of one core, "
+            "longer on a busy machine)"
+        )
+    start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
@@ -51,6 +77,8 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
+    if first:
+        logger.warning("C++ fused CPU ops compiled in %.1fs", time.perf_counter() - start)
     logger.info("CPU fused ops loaded (%s)", name)
     return True
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from pagedllm.layers import cpu_fused
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,13 @@ _SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
 @functools.cache
 def load() -> bool:
     """Build (first call of the first process) and load the kernel; False if that fails."""
+    first = not cpu_fused.built("pagedllm_int8_gemm")
+    if first:
+        logger.warning(
+            "compiling the C++ int8 GEMM kernel for this machine (once; about 10 s of one "
+            "core, longer on a busy machine)"
+        )
+    start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
@@ -43,6 +53,8 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
+    if first:
+        logger.warning("C++ int8 GEMM kernel compiled in %.1fs", time.perf_counter() - start)
     logger.info("CPU int8 GEMM kernel loaded (%s)", isa())
     return True
 
