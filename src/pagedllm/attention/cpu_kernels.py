@@ -63,49 +63,66 @@ def _build_root() -> Path:
     return Path(base) / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
 
 
-def build_name(cflags: list[str]) -> str:
-    """The build's name: instruction set, and a hash of source, flags and torch version."""
-    digest = hashlib.sha1(_SOURCE.read_bytes())
+def build_name(
+    cflags: list[str], source: Path = _SOURCE, prefix: str = "pagedllm_attention"
+) -> str:
+    """A build's name: the instruction set (when built for it, ``-march=native``), and a hash
+    of the source, the flags and the torch version."""
+    digest = hashlib.sha1(source.read_bytes())
     digest.update(" ".join(cflags).encode())
     digest.update(torch.__version__.encode())
-    cpu = _cpu_fingerprint() if _arch_flags() else "generic"
-    return f"pagedllm_attention_{cpu}_{digest.hexdigest()[:8]}"
+    native = any(flag.startswith(("-march=", "-mcpu=")) for flag in cflags)
+    cpu = _cpu_fingerprint() if native else "generic"
+    return f"{prefix}_{cpu}_{digest.hexdigest()[:8]}"
 
 
-def _compile(name: str, folder: Path, cflags: list[str]) -> None:
-    """Compile and load the kernel with torch.utils.cpp_extension, saying so while it runs."""
+def _compile(name: str, folder: Path, cflags: list[str], source: Path, what: str) -> None:
+    """Compile and load a library with torch.utils.cpp_extension, saying so while it runs."""
     from torch.utils import cpp_extension
 
     logger.warning(
-        "compiling the C++ CPU attention kernel for this machine (once; about 10 s of one "
-        "core, longer on a busy machine) into %s",
+        "compiling the %s for this machine (once; 10-20 s of one core, longer on a busy "
+        "machine) into %s",
+        what,
         folder,
     )
     start = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(source)],
         extra_cflags=cflags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         is_python_module=False,
     )
-    logger.warning("CPU attention kernel compiled in %.1fs", time.perf_counter() - start)
+    logger.warning("%s compiled in %.1fs", what, time.perf_counter() - start)
+
+
+def load_cpp_ops(source: Path, cflags: list[str], prefix: str, what: str) -> str:
+    """Load the C++ op library built from ``source`` with ``cflags``, compiling it first if
+    no process has yet; returns the build's name. The name carries a hash of source, flags
+    and torch version, so a later process (from any copy of the same source) loads the
+    library directly: no compiler, no ninja, no cpp_extension import. Raises if the build
+    fails (no compiler, no ninja, an error)."""
+    name = build_name(cflags, source, prefix)
+    folder = _build_root() / name
+    library = folder / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+    else:
+        _compile(name, folder, cflags, source, what)
+    return name
 
 
 @functools.cache
 def load() -> bool:
     """Load the kernel, building it first if no process has yet; False if that fails."""
-    cflags = ["-O3", "-fopenmp", *_arch_flags()]
-    name = build_name(cflags)
-    folder = _build_root() / name
-    library = folder / f"{name}.so"
     try:
-        if library.exists():
-            torch.ops.load_library(str(library))
-        else:
-            _compile(name, folder, cflags)
+        name = load_cpp_ops(
+            _SOURCE, ["-O3", "-fopenmp", *_arch_flags()], "pagedllm_attention",
+            "C++ CPU attention kernel",
+        )  # fmt: skip
     except Exception as exc:  # no compiler, no ninja, or a build error: the torch path works
         warnings.warn(
             f"CPU attention kernels unavailable ({type(exc).__name__}: {exc}); "

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.cpu_kernels import _arch_flags, _cpu_fingerprint
+from pagedllm.attention.cpu_kernels import _arch_flags, load_cpp_ops
 from pagedllm.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -31,45 +29,12 @@ _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def built(name: str) -> bool:
-    """Whether torch.utils.cpp_extension.load(name=...) finds a build of that name (the
-    folder it uses: TORCH_EXTENSIONS_DIR as given, else the cache's per-Python folder)."""
-    base = envs.TORCH_EXTENSIONS_DIR()
-    if base is None:
-        cache = envs.XDG_CACHE_HOME() or str(Path.home() / ".cache")
-        flavour = (
-            "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
-        )
-        base = str(
-            Path(cache)
-            / "torch_extensions"
-            / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
-        )
-    return (Path(base) / name / f"{name}.so").exists()
-
-
 @functools.cache
 def load() -> bool:
     """Build (first call of the first process) and load the ops; False if that fails."""
-    arch = _arch_flags()
-    name = "pagedllm_fused_" + (_cpu_fingerprint() if arch else "generic")
-    first = not built(name)
-    if first:
-        logger.warning(
-            "compiling the C++ fused CPU ops for this machine (once; about 15 s of one core, "
-            "longer on a busy machine)"
-        )
-    start = time.perf_counter()
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *_arch_flags()]
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *arch],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        name = load_cpp_ops(_SOURCE, cflags, "pagedllm_fused", "C++ fused CPU ops")
     except Exception as exc:  # no compiler, no ninja, or a build error: the torch ops work
         warnings.warn(
             f"CPU fused ops unavailable ({type(exc).__name__}: {exc}); using torch ops",
@@ -77,8 +42,6 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
-    if first:
-        logger.warning("C++ fused CPU ops compiled in %.1fs", time.perf_counter() - start)
     logger.info("CPU fused ops loaded (%s)", name)
     return True
 

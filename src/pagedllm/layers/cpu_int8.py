@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from pagedllm.layers import cpu_fused
+from pagedllm.attention.cpu_kernels import load_cpp_ops
 
 logger = logging.getLogger(__name__)
 
@@ -28,23 +27,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
 @functools.cache
 def load() -> bool:
     """Build (first call of the first process) and load the kernel; False if that fails."""
-    first = not cpu_fused.built("pagedllm_int8_gemm")
-    if first:
-        logger.warning(
-            "compiling the C++ int8 GEMM kernel for this machine (once; about 10 s of one "
-            "core, longer on a busy machine)"
-        )
-    start = time.perf_counter()
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name="pagedllm_int8_gemm",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        load_cpp_ops(_SOURCE, ["-O3", "-fopenmp"], "pagedllm_int8", "C++ int8 GEMM kernel")
     except Exception as exc:  # no compiler or ninja: the oneDNN path still works
         warnings.warn(
             f"CPU int8 GEMM kernel unavailable ({type(exc).__name__}: {exc}); using oneDNN "
@@ -53,8 +37,6 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
-    if first:
-        logger.warning("C++ int8 GEMM kernel compiled in %.1fs", time.perf_counter() - start)
     logger.info("CPU int8 GEMM kernel loaded (%s)", isa())
     return True
 
