@@ -397,7 +397,8 @@ def report(results: dict, model: Path) -> None:
         tok_s, ttft_ms = r["decode_tok_s"], r["ttft_s"] * 1e3
         rounds = " / ".join(f"{x:.1f}" for x in r.get("rounds_decode_tok_s", []))
         print(f"  {name:22s} decode {tok_s:6.1f} tok/s  TTFT {ttft_ms:7.1f} ms  bandwidth "
-              f"bound {bound:6.1f} tok/s ({100 * tok_s / bound:.0f}%)  rounds {rounds}")  # fmt: skip
+              f"bound {bound:6.1f} tok/s ({100 * tok_s / bound:.0f}%)  "
+              f"rounds {rounds}")  # fmt: skip
 
 
 def _run_flops(row: dict, prec: str) -> float:

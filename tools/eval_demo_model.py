@@ -39,7 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train_script() -> ModuleType:
-    """Import tools/train_demo_model.py for its corpus and split (tools/ is no package)."""
+    """Import tools/train_demo_model.py for its corpus and split (tools/ is no package),
+    once."""
+    if "train_demo_model" in sys.modules:
+        return sys.modules["train_demo_model"]
     spec = importlib.util.spec_from_file_location(
         "train_demo_model", ROOT / "tools" / "train_demo_model.py"
     )
@@ -111,7 +114,7 @@ def evaluate_folder(model_dir: Path, docs: list[str], window: int) -> dict[str, 
         score = score_document(model, ids, window)
         score.bytes = len(doc.encode("utf-8"))
         parts["all"].add(score)
-        parts["source" if doc.startswith("# Lib/") else "documentation"].add(score)
+        parts["source" if _train_script().is_source(doc) else "documentation"].add(score)
     return {name: s.summary() for name, s in parts.items() if s.docs}
 
 
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def pinned_pages(heldout: list[str], n: int) -> list[str]:
     """The first n held-out documentation pages (the tests' fixed sample)."""
-    return [doc for doc in heldout if not doc.startswith("# Lib/")][:n]
+    return [doc for doc in heldout if not _train_script().is_source(doc)][:n]
 
 
 if __name__ == "__main__":

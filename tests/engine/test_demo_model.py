@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from helpers.oracle import hf_greedy
+from helpers.tools import load_tool
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
@@ -59,19 +60,6 @@ def test_default_sampling_reads_like_text_not_a_loop():
         assert not _loops(ids), prompt
 
 
-def _tool(name: str):  # noqa: ANN202
-    """Import tools/<name>.py (tools/ is no package)."""
-    import importlib.util
-    import sys
-
-    path = DEMO.parents[1] / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_demo_model_scores_what_its_model_card_records():
     """pagedllm's prompt logprobs over the pinned held-out documentation pages give the
     bits per byte and top-1 accuracy that tools/eval_demo_model.py (transformers) recorded in
@@ -84,8 +72,8 @@ def test_demo_model_scores_what_its_model_card_records():
     record = json.loads((DEMO / "eval.json").read_text())["pinned"]
     if platform.python_version() != record["python"]:
         pytest.skip(f"the corpus is Python {record['python']}'s standard library")
-    evaluate = _tool("eval_demo_model")
-    train = _tool("train_demo_model")
+    evaluate = load_tool("eval_demo_model")
+    train = load_tool("train_demo_model")
     _, heldout = train.split_corpus(train.build_corpus())
     pages = evaluate.pinned_pages(heldout, record["pages"])
     llm = LLM(str(DEMO), dtype="float32", kv_cache_memory_bytes=64 << 20)

@@ -104,19 +104,25 @@ def test_a_chain_of_three_tiers_has_one_cut_per_link():
     assert plan.layer_range(1) == (1, 6) and plan.layer_range(-1) == (6, L)
 
 
-def test_measured_timings_replace_the_roofline():
-    graph = uniform_graph()
-    timings = LayerTimings(
+def edge_timings(**fields: object) -> LayerTimings:
+    """Measured edge timings of uniform_graph(): 2 ms per layer, free embed and head."""
+    defaults = dict(
         device="edge",
         batch_size=1,
         context_len=512,
         prompt_len=128,
         decode_s=(0.0,) + (0.002,) * L + (0.0,),
         prefill_s=(0.0,) * (L + 2),
-        engine_s=0.001,
-        prepare_s=0.0005,
+        engine_s=0.0,
+        prepare_s=0.0,
         sample_s=0.0,
     )
+    return LayerTimings(**{**defaults, **fields})
+
+
+def test_measured_timings_replace_the_roofline():
+    graph = uniform_graph()
+    timings = edge_timings(engine_s=0.001, prepare_s=0.0005)
     plan = analyze({"min_cloud_throughput": 200}, graph=graph.with_timings(timings))
     # edge: 2 ms per layer + engine + prepare; cloud 1 ms per layer; link 10 ms
     assert plan.cuts == (5,)
@@ -128,18 +134,7 @@ def test_a_tier_that_wakes_up_slowly_pays_for_its_idle_time(tmp_path):
     """wake_s: a decode step after the tier idled costs more; the plan adds, for each tier,
     the extra its profile gives at the time it idles per step (the others' share plus the
     link), interpolated between the measured gaps."""
-    timings = LayerTimings(
-        device="edge",
-        batch_size=1,
-        context_len=512,
-        prompt_len=128,
-        decode_s=(0.0,) + (0.002,) * L + (0.0,),
-        prefill_s=(0.0,) * (L + 2),
-        engine_s=0.0,
-        prepare_s=0.0,
-        sample_s=0.0,
-        wake_s=((0.002, 0.0), (0.02, 0.004), (0.08, 0.006)),
-    )
+    timings = edge_timings(wake_s=((0.002, 0.0), (0.02, 0.004), (0.08, 0.006)))
     assert timings.wake_penalty_s(0.0) == 0.0
     assert timings.wake_penalty_s(0.011) == pytest.approx(0.002)
     assert timings.wake_penalty_s(0.5) == pytest.approx(0.006)

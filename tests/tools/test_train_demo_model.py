@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -13,24 +11,16 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tools" / "train_demo_model.py"
 DEMO_DIR = ROOT / "models" / "pagedllm-demo"
 UTF8_TEXT = "naïve café — 日本語 ✓"
 
 
 def _load_script() -> ModuleType:
-    """Import tools/train_demo_model.py (tools/ is not a package)."""
-    name = "train_demo_model"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
+    """tools/train_demo_model.py as a module."""
+    return load_tool("train_demo_model")
 
 
 def _safetensors_dtypes(path: Path) -> set[str]:

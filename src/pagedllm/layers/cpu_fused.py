@@ -138,12 +138,11 @@ def decoder_layers(
     )
 
 
-GEMV_MAX_ROWS = 4  # what the kernel takes
 GEMV_USE_ROWS = 1  # where it beats F.linear (at 2-4 rows its loop is compute-bound)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] W^T + bias for M <= GEMV_MAX_ROWS (float32 sums), streaming the weight once."""
+    """x [M, K] W^T + bias for M <= 4 (float32 sums), streaming the weight once."""
     return torch.ops.pagedllm_fused.gemv(x, weight, bias)
 
 
