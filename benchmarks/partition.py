@@ -169,16 +169,24 @@ def set_link(text: str, net, worker: Worker) -> None:
         worker.proxy.set(rtt_ms=link.rtt_ms)
 
 
-def cut_plan(graph, devices, link, cut: int, args) -> object:
-    partitioner = GraphPartitioner(
-        "latency_aware",
-        None,
-        1,
-        args.context_len + args.steps // 2,
-        args.context_len,
+def planner(args) -> GraphPartitioner:
+    """The partitioner of every plan here: latency-aware, batch 1, mid-run context."""
+    return GraphPartitioner(
+        "latency_aware", None, 1, args.context_len + args.steps // 2, args.context_len,
         args.wire_dtype,
+    )  # fmt: skip
+
+
+def measured_link(text: str, overhead: dict[int, float]) -> LinkProfile:
+    """A link setting with the transport's overhead measured over the real path (median
+    over the cuts' workers)."""
+    return dataclasses.replace(
+        LinkProfile.parse(text), overhead_ms=statistics.median(overhead.values())
     )
-    return partitioner.analyze(graph, devices, link, cuts=[cut])
+
+
+def cut_plan(graph, devices, link, cut: int, args) -> object:
+    return planner(args).analyze(graph, devices, link, cuts=[cut])
 
 
 def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) -> dict:
@@ -218,14 +226,7 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
                 print(f"{label} {text} cut {cut}: predicted {predicted.decode_latency_ms:.1f} "
                       f"measured p50 {got.p50:.1f} p25 {got.p25:.1f}", flush=True)  # fmt: skip
     for text in args.links:
-        link = dataclasses.replace(
-            LinkProfile.parse(text), overhead_ms=statistics.median(overhead.values())
-        )
-        partitioner = GraphPartitioner(
-            "latency_aware", None, 1, args.context_len + args.steps // 2, args.context_len,
-            args.wire_dtype,
-        )  # fmt: skip
-        plan = partitioner.analyze(graph, [edge_dev, cloud_dev], link)
+        plan = planner(args).analyze(graph, [edge_dev, cloud_dev], measured_link(text, overhead))
         (out / f"plan-{text.replace(',', '_')}.txt").write_text(plan.table() + "\n")
         plot_plan(plan, out / f"plan-{text.replace(',', '_')}.png")
         chosen = plan.cuts[0] if plan.cuts[0] in cuts else None
@@ -235,14 +236,8 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
         if text in results["links"]:
             cut = results["links"][text]["planned"]
         else:
-            link = dataclasses.replace(
-                LinkProfile.parse(text), overhead_ms=statistics.median(overhead.values())
-            )
-            partitioner = GraphPartitioner(
-                "latency_aware", None, 1, args.context_len + args.steps // 2, args.context_len,
-                args.wire_dtype,
-            )  # fmt: skip
-            cut = partitioner.analyze(graph, [edge_dev, cloud_dev], link).cuts[0]
+            link = measured_link(text, overhead)
+            cut = planner(args).analyze(graph, [edge_dev, cloud_dev], link).cuts[0]
         with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out, args) as (
             engine,
             worker,
@@ -271,10 +266,11 @@ def split_engine(model, graph, devices, cut, cloud_t, net, out, args):
 
 
 def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
-    """8 concurrent requests at the pipeline link's planned cut: depth 2 vs depth 1."""
+    """8 concurrent requests at the pipeline link's planned cut: each of --pipeline-depths
+    against depth 1 (the ratio is the first depth's)."""
     n, tokens = 8, args.pipeline_tokens
     got = {}
-    for depth in (1, 2):
+    for depth in (1, *args.pipeline_depths):
         engine.executor.partition = dataclasses.replace(
             engine.executor.partition, pipeline_depth=depth
         )
@@ -284,8 +280,9 @@ def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
         "link": text,
         "cut": cut,
         "unpipelined": got[1],
-        "pipelined": got[2],
-        "ratio": got[2] / got[1],
+        "pipelined": got[args.pipeline_depths[0]],
+        "ratio": got[args.pipeline_depths[0]] / got[1],
+        "by_depth": got,
     }
 
 
@@ -335,7 +332,9 @@ def report(all_results: dict, args, network: str) -> str:
                 summary.append(
                     f"| {label} | {ratio} | pipelined, 8 requests, {p['link']}, cut {p['cut']}: "
                     f"{p['unpipelined']:.1f} -> {p['pipelined']:.1f} tok/s, "
-                    f"**{p['ratio']:.2f}x** |||||||"
+                    f"**{p['ratio']:.2f}x**; by depth: "
+                    + ", ".join(f"{d}: {v:.1f}" for d, v in p["by_depth"].items())
+                    + " |||||||"
                 )
     head = [
         "| model | edge/cloud threads | link | chosen cut | best measured | chosen vs best "
@@ -356,6 +355,13 @@ def main() -> None:
     parser.add_argument("--wire-dtype", default="bfloat16")
     parser.add_argument("--no-pipeline", dest="pipeline", action="store_false")
     parser.add_argument("--pipeline-tokens", type=int, default=16)
+    parser.add_argument(
+        "--pipeline-depths",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="pipeline depths measured against depth 1; the first one is reported (2)",
+    )
     parser.add_argument(
         "--pipeline-link",
         default="100mbit,20ms",

@@ -198,7 +198,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // ---- matrix-vector products for a few rows (decode) ----------------------------------------
 // y[M, N] = x[M, K] W[N, K]^T (+ bias) for M <= kGemvMaxRows, float32 or bfloat16 with float32
 // sums. At one row a linear layer only streams its weight, and does so at a fraction of the
-// memory bandwidth through the BLAS call (about 14 of 35 GB/s on a 2-core AVX-512 CPU): here
+// memory bandwidth through F.linear (about half, benchmarks/gemv.py): here
 // each thread walks whole weight rows from start to end. From two rows on this loop is
 // compute-bound and slower than the BLAS call, so the layers use it for one row only.
 constexpr int64_t kGemvMaxRows = 4;
