@@ -134,6 +134,7 @@ class PartitionConfig:
     role: str  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest + head)
     address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
     pipeline_depth: int = 1  # edge: engine steps (micro-batches) in flight across the tiers
+    replan_interval: int = 64  # edge: steps between re-plans from measurements (0: never)
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ class EngineArgs:
     partition_role: str = "edge"
     partition_address: str | None = None
     partition_pipeline_depth: int = 1
+    partition_replan_interval: int = 64
     quant_exclude: list[str] | None = None  # module names / patterns left unquantized
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
@@ -298,11 +300,17 @@ class EngineArgs:
             raise ValueError(
                 f"partition_pipeline_depth must be at least 1, got {self.partition_pipeline_depth}."
             )
+        if self.partition_replan_interval < 0:
+            raise ValueError(
+                "partition_replan_interval must be 0 (never) or a number of steps, got "
+                f"{self.partition_replan_interval}."
+            )
         return PartitionConfig(
             self.partition,
             self.partition_role,
             self.partition_address,
             self.partition_pipeline_depth,
+            self.partition_replan_interval,
         )
 
     def _verify(self) -> None:

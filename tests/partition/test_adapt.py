@@ -3,16 +3,21 @@ what it measures with hysteresis."""
 
 from __future__ import annotations
 
-import pytest
-from helpers.partition import emulated_link, make_plan
+import time
 
+import pytest
+from helpers.partition import emulated_link, inprocess_cloud, make_plan
+
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.partition import DeviceProfile, GraphPartitioner, LayerTimings, LinkProfile
 from pagedllm.partition.adapt import LinkSnapshot, Replanner
-from pagedllm.partition.graph import GraphNode, ModelGraph
+from pagedllm.partition.graph import GraphNode, ModelGraph, graph_for_model
+from pagedllm.partition.netem import DelayProxy
 from pagedllm.partition.profiles import DecodePoint
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
 L = 8
@@ -94,3 +99,98 @@ def test_the_running_split_measures_the_emulated_delay_as_it_changes(model_facto
     # the tiers' own times are measured apart from the link's
     assert after.remote_ms < after.link_ms and after.edge_ms < after.link_ms
     assert after.remote_ms == pytest.approx(before.remote_ms, abs=20)
+
+
+# ---- the cut moves while the split runs ------------------------------------------------------
+def _emulate_devices(monkeypatch, edge_ms: float, cloud_ms: float) -> None:
+    """Both tiers run in this process; each runner's forward also takes edge_ms or
+    cloud_ms per decoder layer it holds, as a slower edge and a faster cloud would."""
+    real = ModelRunner.forward
+
+    def forward(self, inp, hidden_states=None):
+        out = real(self, inp, hidden_states)
+        start, end = self.model_config.layer_range
+        time.sleep((edge_ms if start == 0 else cloud_ms) * (end - start) / 1e3)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+
+
+def _measured(name: str, ms_per_layer: float, layers: int) -> LayerTimings:
+    nodes = (0.0,) + (ms_per_layer / 1e3,) * layers + (0.0,)
+    return LayerTimings(name, 1, 64, 8, nodes, nodes, 0.0, 0.0, 0.0, 1)
+
+
+def _plan_with_basis(model, path, layers: int, edge_ms: float, cloud_ms: float):
+    graph = graph_for_model(str(model), "float32")
+    graph = graph.with_timings(_measured("edge", edge_ms, layers))
+    graph = graph.with_timings(_measured("cloud", cloud_ms, layers))
+    # the most tokens/s pipelined, each token within 24 ms end to end
+    partitioner = GraphPartitioner(
+        "throughput_aware", {"max_edge_latency": 24}, context_len=64, wire_dtype="float32"
+    )
+    devices = [DeviceProfile(n, {"float32": 1e12}, 1e12, 8 << 30) for n in ("edge", "cloud")]
+    plan = partitioner.analyze(graph, devices, LinkProfile(1000, 1.0))
+    plan.save(path)
+    return plan
+
+
+def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, tmp_path,
+                                                                 monkeypatch):  # fmt: skip
+    """8 layers, the edge 3 ms per layer, the cloud 1 ms. Over a 1 ms link the plan cuts at
+    2 (6 + 6 ms: the stages balance, ~15 ms per token end to end). With 20 ms of delay no
+    cut keeps 24 ms, and the one closest to it gives the cloud a layer more (cut 1: 3 + 7
+    ms); back at 1 ms the cut returns to 2. The tokens match the unsplit engine's, though
+    every move recomputes the running sequence."""
+    model = model_factory("llama", num_hidden_layers=8)
+    plan = _plan_with_basis(model, tmp_path / "plan.json", 8, edge_ms=3.0, cloud_ms=1.0)
+    assert plan.cuts == (2,)
+    prompts = [[3 + (7 * i + j) % 300 for j in range(5 + i % 4)] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    unsplit = LLM(str(model), **ENGINE).generate(prompts, params, use_tqdm=False)
+    expected = {str(i): o.outputs[0].token_ids for i, o in enumerate(unsplit)}
+
+    _emulate_devices(monkeypatch, edge_ms=3.0, cloud_ms=1.0)
+    got: dict[str, list[int]] = {}
+    with inprocess_cloud(model, tmp_path / "plan.json") as (cloud, server):
+        with DelayProxy(server.address, rtt_ms=1.0) as proxy:
+            args = EngineArgs(
+                model=str(model),
+                partition=str(tmp_path / "plan.json"),
+                partition_address=proxy.address,
+                partition_replan_interval=8,
+                **ENGINE,
+            )
+            engine = LLMEngine.from_engine_args(args)
+            executor = engine.executor
+            queue = iter(enumerate(prompts))
+
+            def run(steps: int, until_moves: int | None = None) -> None:
+                for _ in range(steps):
+                    if not engine.has_unfinished_requests():
+                        i, prompt = next(queue)
+                        engine.add_request(str(i), prompt, params)
+                    for out in engine.step():
+                        if out.finished:
+                            got[out.request_id] = out.outputs[0].token_ids
+                    if until_moves is not None and len(executor.moves) == until_moves:
+                        return
+
+            run(48)  # six re-plans at 1 ms: the cut stays
+            assert executor.moves == [] and executor.replanner.moves == 0
+            proxy.set(rtt_ms=20.0)
+            run(80, until_moves=1)
+            assert executor.moves == [(2, 1)]
+            assert executor.tier.layers == (0, 1) and cloud.tier.layers == (1, 8)
+            preempted = engine.scheduler.num_preemptions
+            assert preempted >= 1  # the running sequence was recomputed at the new cut
+            run(32)  # measured at the new cut, still 20 ms: it stays
+            assert executor.moves == [(2, 1)]
+            proxy.set(rtt_ms=1.0)
+            run(80, until_moves=2)
+            assert executor.moves == [(2, 1), (1, 2)]
+            assert cloud.tier.layers == (2, 8)
+            while engine.has_unfinished_requests():
+                run(1)
+            engine.shutdown()
+    assert got and all(got[rid] == expected[rid] for rid in got), got

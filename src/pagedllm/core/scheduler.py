@@ -226,6 +226,14 @@ class Scheduler:
             return False
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
+    def preempt_all(self) -> int:
+        """Preempt every running sequence (recompute later, in their current order): the
+        KV they hold became unusable (the model's layout across processes changed)."""
+        victims = list(self.running)
+        for seq in reversed(victims):
+            self._preempt(seq)
+        return len(victims)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)

@@ -230,6 +230,8 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, detokenize; returns updates."""
+        if self.executor.repartition_pending and not self._in_flight:
+            self._repartition()
         if self.executor.pipeline_depth > 1:
             return self._step_pipelined()
         sched_out = self.scheduler.schedule()
@@ -263,7 +265,10 @@ class LLMEngine:
         depth = self.executor.pipeline_depth
         held = frozenset(i.seq.seq_id for out, _, _ in self._in_flight for i in out.scheduled)
         active = len(self.scheduler.running) + len(self.scheduler.waiting)
-        sched_out = self.scheduler.schedule(held, max(1, -(-active // depth)))
+        if self.executor.repartition_pending:  # drain: the layout changes once all are back
+            sched_out = SchedulerOutput()
+        else:
+            sched_out = self.scheduler.schedule(held, max(1, -(-active // depth)))
         if not sched_out.is_empty:
             iteration = IterationStats(time.time(), num_batched_tokens=sched_out.num_batched_tokens)
             now = time.time()
@@ -289,6 +294,18 @@ class LLMEngine:
         # a sequence aborted while its step was in flight is already gone
         sched_out.scheduled = [i for i in sched_out.scheduled if not i.seq.is_finished]
         return self._finish_step(sched_out, model_out, iteration)
+
+    def _repartition(self) -> None:
+        """The executor changes how the model is laid out across processes (a split's cut
+        moved): the running sequences' KV is laid out for the old layout, so they are
+        preempted and recomputed, and the prefix cache forgets the blocks computed under it."""
+        preempted = self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()
+        logger.info("repartitioning the model: %d running sequences will be recomputed", preempted)
+        try:
+            self.executor.repartition()
+        except ExecutorLostError as e:  # the next step reconnects or fails what it runs
+            logger.error("repartitioning lost the model's other part: %s", e)
 
     def _finish_step(
         self, sched_out: SchedulerOutput, model_out: ModelOutput, iteration: IterationStats

@@ -55,6 +55,8 @@ _ENGINE_FLAG_HELP = {
     "partition_role": "edge (the engine, embedding and layers [0, cut)) | cloud (the rest)",
     "partition_address": "edge: the cloud worker's HOST:PORT; cloud: HOST:PORT to listen on",
     "partition_pipeline_depth": "edge: micro-batches in flight across the tiers (1: none)",
+    "partition_replan_interval": "edge: steps between re-planning the cut from what the split "
+    "measures, moving it when the optimum moves (0: never)",
     "quant_exclude": "int8: module name or pattern kept in full precision, e.g. lm_head, "
     "'*.self_attn.*' (repeatable)",
     "quant_granularity": "int8 weight scales: per_channel | per_tensor",

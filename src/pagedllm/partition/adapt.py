@@ -6,9 +6,12 @@ minus the remote compute. ``LinkMonitor.snapshot()`` gives medians over a recent
 so one preempted step moves nothing. ``Replanner`` feeds those figures to the partitioner:
 each tier's measured step time rescales that device's timings (the profile's shape, the
 running machine's level), the measured round trip replaces the link's RTT, and the plan in
-use is kept unless another cut beats it by more than the margin (hysteresis). A re-plan
-that moves the cut is reported; moving the layers of a running split (weights and KV
-cache) is left to a restart with the new plan.
+use is kept unless another cut beats it by more than the margin (hysteresis), and a plan
+is made only from a full window of steps measured at the cut in use.
+
+A re-plan that moves the cut is carried out by the running split (runtime.SplitExecutor):
+between two steps the engine recomputes its running sequences, both tiers load the layers
+of the new cut and start a new session on the same KV block ids.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class LinkMonitor:
     """Per-step figures of a running split, over the last ``window`` steps."""
 
     def __init__(self, window: int = 16) -> None:
+        self.window = window
         self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self._sent: deque[tuple[float, float, float]] = deque()
 
@@ -94,6 +98,30 @@ def _rescaled(timings: LayerTimings, factor: float) -> LayerTimings:
 
 class Replanner:
     """Re-plans a two-tier split from what the runtime measured, with hysteresis."""
+
+    @classmethod
+    def from_plan(cls, plan: PartitionPlan) -> Replanner:
+        """A replanner from what the plan was computed from (its ``basis``)."""
+        basis = plan.basis
+        if not basis:
+            raise ValueError(
+                "the partition plan does not record what it was computed from; make it again "
+                "with `pagedllm partition -o` to re-plan as the split runs."
+            )
+        devices = [DeviceProfile(**d) for d in basis["devices"]]
+        if len(devices) != 2:
+            raise ValueError(f"re-planning is for two tiers; this plan has {len(devices)}.")
+        settings = dict(basis["settings"])
+        partitioner = GraphPartitioner(**settings)
+        graph = ModelGraph.from_dict(basis["graph"])
+        unmeasured = [d.name for d in devices if d.name not in graph.measured]
+        if unmeasured:
+            raise ValueError(
+                f"the plan has no layer timings measured on {', '.join(unmeasured)}; "
+                "re-planning rescales them (pagedllm profile-device --model)."
+            )
+        link = LinkProfile(**basis["links"][0])
+        return cls(partitioner, graph, devices, link, plan.cuts)
 
     def __init__(
         self,

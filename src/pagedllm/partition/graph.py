@@ -54,6 +54,28 @@ class ModelGraph:
         last = [len(self.nodes) - 1] if end == self.num_layers else []
         return first + list(range(start + 1, end + 1)) + last
 
+    def to_dict(self) -> dict[str, Any]:
+        """The graph and its measured timings as JSON-ready data (see from_dict)."""
+        return {
+            "name": self.name,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "nodes": [dataclasses.asdict(n) for n in self.nodes],
+            "measured": [dataclasses.asdict(t) for t in self.measured.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelGraph:
+        graph = cls(
+            data["name"],
+            tuple(GraphNode(**n) for n in data["nodes"]),
+            data["hidden_size"],
+            data["dtype"],
+        )
+        for timings in data.get("measured", ()):
+            graph = graph.with_timings(LayerTimings.from_dict(timings))
+        return graph
+
     def with_timings(self, timings: LayerTimings) -> ModelGraph:
         """A copy whose estimates on timings.device use these measured times."""
         if len(timings.decode_s) != len(self.nodes):

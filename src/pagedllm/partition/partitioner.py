@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pagedllm.partition.graph import GraphNode, ModelGraph
 from pagedllm.partition.plan import (
@@ -248,7 +248,28 @@ class GraphPartitioner:
             message=message,
             candidates=candidates,
             margin=self.margin,
+            basis=self.basis(model_graph, devices, links),
         )
+
+    def basis(
+        self, graph: ModelGraph, devices: Sequence[DeviceProfile], links: Sequence[LinkProfile]
+    ) -> dict[str, Any]:
+        """What a plan is computed from, for planning again later (adapt.Replanner)."""
+        settings = {
+            "strategy": self.strategy,
+            "constraints": self.constraints,
+            "batch_size": self.batch_size,
+            "context_len": self.context_len,
+            "prompt_len": self.prompt_len,
+            "wire_dtype": self.wire_dtype,
+            "margin": self.margin,
+        }
+        return {
+            "settings": settings,
+            "graph": graph.to_dict(),
+            "devices": [dataclasses.asdict(d) for d in devices],
+            "links": [dataclasses.asdict(lp) for lp in links],
+        }
 
     def _score(self, c: CutEstimate) -> float:
         """The strategy's figure to minimise (ms per token, or s per token pipelined)."""

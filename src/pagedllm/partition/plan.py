@@ -8,6 +8,7 @@ the last [k2, L), the final norm and the LM head. Hidden states cross each link 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,6 +102,10 @@ class PartitionPlan:
     message: str  # why no plan meets the constraints ("" when one does)
     candidates: tuple[CutEstimate, ...] = field(default=(), compare=False, repr=False)
     margin: float = 0.0  # scores within this fraction of the best are ties
+    # What the plan was computed from (the partitioner's settings, the device and link
+    # profiles, the measured layer timings), so that a running split can plan again from
+    # what it measures (pagedllm.partition.adapt.Replanner.from_plan); None: not recorded.
+    basis: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def why_not(self) -> list[str]:
         """Per candidate other than the chosen one, why it lost."""
@@ -222,6 +227,14 @@ class TierSetting:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_tiers - 1
+
+    def moved(self, cut: int) -> TierSetting:
+        """This tier after the cut before it (a later tier) or after it (the edge) moved:
+        the edge ends its layers at cut, a later tier starts them there."""
+        layers = (0, cut) if self.index == 0 else (cut, self.layers[1])
+        if not layers[0] < layers[1]:
+            raise ValueError(f"a cut at layer {cut} leaves tier {self.role} no layers {layers}.")
+        return dataclasses.replace(self, cut=cut, layers=layers)
 
 
 def tier_index(role: str, num_tiers: int) -> int:

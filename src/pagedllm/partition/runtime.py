@@ -11,6 +11,12 @@ runs its model runner over it: layers [k, L), norm, LM head and the sampler, on 
 cache of the same block count, so the edge's block ids index both caches and prefix-cache
 hits, preemption and chunked prefill need no extra protocol. Sampling (seeds, penalties,
 logprobs) happens on the cloud, so only token ids and logprobs come back, not logits.
+
+The cut can move while the split runs: every ``replan_interval`` steps the edge plans
+again from what it measured (adapt.Replanner); when the cut moves, the engine recomputes
+its running sequences (their KV is laid out for the old cut), the edge loads the layers
+of the new cut and opens a new session whose hello names the new cut, and the worker
+loads its own new layers before it answers.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.outputs import Logprob, TokenLogprobs
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
-from pagedllm.partition.adapt import LinkMonitor
-from pagedllm.partition.plan import TierSetting, load_tier
+from pagedllm.partition.adapt import LinkMonitor, Replanner
+from pagedllm.partition.plan import PartitionPlan, TierSetting, load_tier
 from pagedllm.partition.profiles import LinkProfile
 from pagedllm.partition.transport import (
     PeerLostError,
@@ -108,12 +114,14 @@ def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 
 def tier_runner(
-    config: EngineConfig, role: str
+    config: EngineConfig, role: str, tier: TierSetting | None = None
 ) -> tuple[PartitionConfig, TierSetting, ModelRunner]:
-    """Read this process's tier from the plan and build a model runner for its layers."""
+    """This process's tier (read from the plan unless given) and a model runner for its
+    layers."""
     partition = config.partition
     assert partition is not None and (partition.role == role or role == "receiver")
-    tier = load_tier(partition.plan, partition.role, config.model.num_layers)
+    if tier is None:
+        tier = load_tier(partition.plan, partition.role, config.model.num_layers)
     model = dataclasses.replace(config.model, layer_range=tier.layers)
     return partition, tier, ModelRunner(model, config.cache, config.scheduler, config.device)
 
@@ -126,6 +134,7 @@ class SplitExecutor(Executor):
         assert config.partition is not None and config.partition.address is not None, (
             "an edge needs partition_address: the cloud worker's host:port"
         )
+        self.config = config
         self.partition, self.tier, self.runner = tier_runner(config, "edge")
         self.client: TierClient | None = None
         self.num_blocks = 0
@@ -133,6 +142,20 @@ class SplitExecutor(Executor):
         self.monitor = LinkMonitor()  # per-step edge / remote / link times, for re-planning
         self.outstanding = 0  # steps sent and not yet answered
         self.max_outstanding = 0  # the most at once: > 1 when the tiers pipelined
+        self.replanner = self._replanner()  # None: the cut stays where the plan put it
+        self._steps_since_plan = 0
+        self.pending_cut: int | None = None  # a re-plan moved the cut here; not yet applied
+        self.moves: list[tuple[int, int]] = []  # (from, to) of every cut moved while running
+
+    def _replanner(self) -> Replanner | None:
+        if self.partition.replan_interval <= 0:
+            return None
+        plan = PartitionPlan.load(self.partition.plan)
+        try:
+            return Replanner.from_plan(plan)
+        except ValueError as e:
+            logger.info("the cut stays at layer %d: %s", self.tier.cut, e)
+            return None
 
     def _hello(self, num_blocks: int, connect_timeout_s: float) -> int:
         """Open a session: the cloud sizes its cache to at most num_blocks; returns its count."""
@@ -266,7 +289,70 @@ class SplitExecutor(Executor):
             self._drop_session()
             raise ExecutorLostError(str(e)) from None
         self.monitor.received(float(reply.get("compute_ms", 0.0)), 8 * len(reply["sampled"]))
+        self._maybe_replan()
         return output_from_wire(reply)
+
+    # ---- moving the cut ------------------------------------------------------------------
+    def _maybe_replan(self) -> None:
+        """Every replan_interval steps, once a full window was measured at this cut, plan
+        again; a move is left in pending_cut for the engine to carry out between steps."""
+        if self.replanner is None or self.pending_cut is not None:
+            return
+        self._steps_since_plan += 1
+        seen = self.monitor.snapshot()
+        if self._steps_since_plan < self.partition.replan_interval or seen is None:
+            return
+        if seen.steps < self.monitor.window:
+            return
+        self._steps_since_plan = 0
+        plan = self.replanner.replan(seen)
+        if plan.cuts[0] != self.tier.cut:
+            logger.info(
+                "re-planned from %d steps (edge %.2f ms, cloud %.2f ms, link %.2f ms): the cut "
+                "moves from layer %d to %d, predicted %.2f ms/token",
+                seen.steps,
+                seen.edge_ms,
+                seen.remote_ms,
+                seen.link_ms,
+                self.tier.cut,
+                plan.cuts[0],
+                plan.chosen.decode_latency_ms,
+            )
+            self.pending_cut = plan.cuts[0]
+
+    @property
+    def repartition_pending(self) -> bool:
+        return self.pending_cut is not None
+
+    def repartition(self) -> None:
+        """Move the cut to pending_cut. The engine calls this with no step in flight and its
+        sequences preempted: their KV was laid out for the old cut. The edge loads the new
+        layers on the same KV block count, and its hello makes the worker load its own; a
+        worker that refuses the new cut keeps the old one, and re-planning stops."""
+        assert self.pending_cut is not None and self.outstanding == 0
+        old, cut = self.tier, self.pending_cut
+        self.pending_cut = None
+        self._load(old.moved(cut))
+        try:
+            self._reconnect()
+        except ExecutorLostError as e:
+            logger.warning("the cut stays at layer %d: moving it failed: %s", old.cut, e)
+            self.replanner = None
+            self._load(old)
+            self._reconnect()
+            return
+        self.moves.append((old.cut, cut))
+        self.monitor = LinkMonitor(self.monitor.window)  # figures of the old cut are done
+        if self.replanner is not None:
+            self.replanner.cuts = (cut,)
+        self._steps_since_plan = 0
+        logger.info("edge tier: layers [0, %d) (was [0, %d))", cut, old.cut)
+
+    def _load(self, tier: TierSetting) -> None:
+        self._drop_session()
+        self.runner.kv_caches = []  # the old layers and their cache go before the new load
+        _, self.tier, self.runner = tier_runner(self.config, "edge", tier)
+        self.runner.allocate_kv_cache(self.num_blocks)
 
     def ping_ms(self, repeats: int = 20, payload_bytes: int = 0) -> list[float]:
         """Round trips of an empty step to the cloud over the real path (RTT plus the
@@ -300,6 +386,7 @@ class CloudWorker:
     that tier's reply (a chain edge -> gateway -> cloud)."""
 
     def __init__(self, config: EngineConfig, next_address: str | None = None) -> None:
+        self.config = config
         self.partition, self.tier, self.runner = tier_runner(config, "receiver")
         if self.tier.index == 0:
             raise ValueError("the edge tier runs the engine (SplitExecutor), not a worker.")
@@ -329,16 +416,14 @@ class CloudWorker:
 
     def _hello(self, meta: dict[str, Any]) -> dict[str, Any]:
         hf = self.runner.model_config.hf_config
-        expected = {
-            "cut": self.tier.cut,
-            "block_size": self.runner.block_size,
-            "hidden_size": hf.hidden_size,
-        }
+        expected = {"block_size": self.runner.block_size, "hidden_size": hf.hidden_size}
         for key, value in expected.items():
             if meta[key] != value:
                 raise ValueError(f"the edge has {key}={meta[key]}, this worker {value}")
         num_blocks = min(int(meta["num_blocks"]), self.max_blocks)
         self.close()
+        if meta["cut"] != self.tier.cut:  # the tier before moved the cut: load its layers
+            self._move(int(meta["cut"]))
         if not self.tier.is_last:  # the tiers after this one agree on the count too
             assert self.next_address is not None
             self.next = TierClient(
@@ -351,6 +436,15 @@ class CloudWorker:
         self.runner.ensure_kv_cache(num_blocks)
         logger.info("session open: layers [%d, %d), %d KV blocks", *self._range(), num_blocks)
         return {"num_blocks": num_blocks}
+
+    def _move(self, cut: int) -> None:
+        """Start this tier's layers at cut (the same KV block count, so the same block ids
+        work; max_blocks stays the one sized at start)."""
+        tier = self.tier.moved(cut)  # ValueError: no layers would be left here
+        was = self.tier.layers
+        self.runner.kv_caches = []
+        _, self.tier, self.runner = tier_runner(self.config, "receiver", tier)
+        logger.info("the cut moved: layers [%d, %d) (was [%d, %d))", *tier.layers, *was)
 
     def _forward_step(
         self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], start: float

@@ -65,6 +65,17 @@ class Executor(ABC):
         return self.execute_model(handle)
 
     @property
+    def repartition_pending(self) -> bool:
+        """True when the model's layout across processes should change (a split whose cut
+        moved): the engine then drains its steps, preempts its running sequences (their KV
+        is laid out for the old layout) and calls repartition()."""
+        return False
+
+    def repartition(self) -> None:
+        """Carry out the pending layout change (only when repartition_pending)."""
+        raise NotImplementedError
+
+    @property
     def is_driver(self) -> bool:
         """False on a process that only serves another process's engine (see run_worker)."""
         return True
