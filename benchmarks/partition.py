@@ -12,8 +12,8 @@ multi-point profile, each in a fresh process with its thread count), measure the
 transport's own cost per exchange over the real path, then for each link setting predict
 every cut, plan (latency_aware, 5% tie margin) and measure every cut's decode step (batch 1,
 context --context-len). Profiles are cached under --out (delete it to re-profile). Finally,
-pipelined throughput: 8 concurrent requests with
-pipeline depth 2 against depth 1 at the chosen cut.
+pipelined throughput: 8 concurrent requests with pipeline depth 2 against depth 1, both at
+the cut a throughput-aware plan picks for micro-batches of 8 / depth.
 
     python benchmarks/partition.py                                  # everything
     python benchmarks/partition.py --models demo --links 1gbit,2ms --ratios 1:2
@@ -55,6 +55,7 @@ from pagedllm.partition.plot import plot_plan  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
 LINKS = ["1gbit,2ms", "100mbit,20ms", "10mbit,80ms"]
+PIPELINE_REQUESTS = 8
 KV_BYTES = 64 << 20
 
 
@@ -93,7 +94,7 @@ def on_thread(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def decode_steps(engine: LLMEngine, prompt_len: int, steps: int) -> Measured:
+def decode_steps(engine: LLMEngine, prompt_len: int, steps: int) -> list[float]:
     vocab = engine.config.model.hf_config.vocab_size
     ids = torch.randint(3, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
@@ -107,12 +108,20 @@ def decode_steps(engine: LLMEngine, prompt_len: int, steps: int) -> Measured:
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
     engine.abort_request("r")
+    return times
+
+
+def measured(times: list[float]) -> Measured:
     return Measured(statistics.median(times), statistics.quantiles(times, n=4)[0])
 
 
-def concurrent_tokens_per_s(engine: LLMEngine, n: int, prompt_len: int, tokens: int) -> float:
+def concurrent_tokens_per_s(
+    engine: LLMEngine, n: int, prompt_len: int, tokens: int, seed: int
+) -> float:
+    """n requests at once; a seed of its own per run, so no run reuses another's prompts
+    through the prefix cache."""
     vocab = engine.config.model.hf_config.vocab_size
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     for i in range(n):
         engine.add_request(
@@ -169,6 +178,15 @@ def set_link(text: str, net, worker: Worker) -> None:
         worker.proxy.set(rtt_ms=link.rtt_ms)
 
 
+def transport_overhead_ms(engine: LLMEngine, args) -> float:
+    """The link's share of real decode steps over a link without delay: the time from
+    sending a step to its reply, less the cloud's compute (encoding, the RPC, the proxy
+    and decoding on both sides; the runtime's LinkMonitor), median over the steps."""
+    engine.executor.monitor = type(engine.executor.monitor)(window=args.steps)
+    on_thread(decode_steps, engine, args.context_len, args.steps)
+    return engine.executor.monitor.snapshot().link_ms
+
+
 def planner(args) -> GraphPartitioner:
     """The partitioner of every plan here: latency-aware, batch 1, mid-run context."""
     return GraphPartitioner(
@@ -202,42 +220,61 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
     cuts = [c for c in (args.cuts or range(1, graph.num_layers)) if 0 < c < graph.num_layers]
     torch.set_num_threads(edge_t)
     results = {"edge_threads": edge_t, "cloud_threads": cloud_t, "links": {}}
+    overhead: dict[int, list[float]] = {cut: [] for cut in cuts}
+    times: dict[tuple[str, int], list[float]] = {}  # (link, cut) -> step times, every pass
+    parts: dict[tuple[str, int], list[list[float]]] = {}  # measured edge / cloud / link
+    # the machine's speed drifts over minutes: the passes visit the cuts in turn, forward
+    # then backward, so a drift weighs on every cut alike
+    for p in range(args.passes):
+        for cut in cuts if p % 2 == 0 else cuts[::-1]:  # one worker at a time
+            with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out,
+                              args) as (engine, worker):  # fmt: skip
+                # the transport's own cost per exchange over the real path, no added delay
+                set_link("10000mbit,0ms", net, worker)
+                overhead[cut].append(transport_overhead_ms(engine, args))
+                for text in args.links:
+                    set_link(text, net, worker)
+                    engine.executor.monitor = type(engine.executor.monitor)(window=args.steps)
+                    got = on_thread(decode_steps, engine, args.context_len, args.steps)
+                    seen = engine.executor.monitor.snapshot()
+                    times.setdefault((text, cut), []).extend(got)
+                    parts.setdefault((text, cut), []).append(
+                        [seen.edge_ms, seen.remote_ms, seen.link_ms]
+                    )
+                    print(f"{label} pass {p} {text} cut {cut}: measured p50 "
+                          f"{statistics.median(got):.1f}", flush=True)  # fmt: skip
+    overhead_ms = {cut: statistics.mean(v) for cut, v in overhead.items()}
     rows: dict[str, dict[int, dict]] = {text: {} for text in args.links}
-    overhead = {}
-    for cut in cuts:  # one worker at a time: the 125M model's tiers x 11 would not fit
-        with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out, args) as (
-            engine,
-            worker,
-        ):
-            # the transport's own cost per exchange over the real path, no added delay
-            set_link("10000mbit,0ms", net, worker)
-            pings = on_thread(engine.executor.ping_ms, 30, graph.hidden_size * 2)
-            overhead[cut] = pings[len(pings) // 4]
-            for text in args.links:
-                set_link(text, net, worker)
-                link = dataclasses.replace(LinkProfile.parse(text), overhead_ms=overhead[cut])
-                predicted = cut_plan(graph, [edge_dev, cloud_dev], link, cut, args).chosen
-                got = on_thread(decode_steps, engine, args.context_len, args.steps)
-                rows[text][cut] = {
-                    "predicted": predicted.decode_latency_ms,
-                    "p50": got.p50,
-                    "p25": got.p25,
-                }
-                print(f"{label} {text} cut {cut}: predicted {predicted.decode_latency_ms:.1f} "
-                      f"measured p50 {got.p50:.1f} p25 {got.p25:.1f}", flush=True)  # fmt: skip
     for text in args.links:
-        plan = planner(args).analyze(graph, [edge_dev, cloud_dev], measured_link(text, overhead))
+        for cut in cuts:
+            link = dataclasses.replace(LinkProfile.parse(text), overhead_ms=overhead_ms[cut])
+            predicted = cut_plan(graph, [edge_dev, cloud_dev], link, cut, args).chosen
+            got = measured(times[text, cut])
+            edge, cloud = predicted.tiers
+            rows[text][cut] = {
+                "predicted": predicted.decode_latency_ms,
+                "p50": got.p50,
+                "p25": got.p25,
+                # the parts, predicted and measured (mean over the passes of their medians)
+                "predicted_parts": [edge.decode_ms, cloud.decode_ms,
+                                    predicted.links[0].decode_ms],
+                "measured_parts": [statistics.mean(c) for c in zip(*parts[text, cut])],
+            }  # fmt: skip
+    for text in args.links:
+        plan = planner(args).analyze(graph, [edge_dev, cloud_dev], measured_link(text, overhead_ms))
         (out / f"plan-{text.replace(',', '_')}.txt").write_text(plan.table() + "\n")
         plot_plan(plan, out / f"plan-{text.replace(',', '_')}.png")
         chosen = plan.cuts[0] if plan.cuts[0] in cuts else None
         results["links"][text] = {"chosen": chosen, "planned": plan.cuts[0], "cuts": rows[text]}
     if args.pipeline:
         text = args.pipeline_link
-        if text in results["links"]:
-            cut = results["links"][text]["planned"]
-        else:
-            link = measured_link(text, overhead)
-            cut = planner(args).analyze(graph, [edge_dev, cloud_dev], link).cuts[0]
+        link = measured_link(text, overhead_ms)
+        # the cut a throughput plan picks for the micro-batches the pipeline runs
+        pipelined = GraphPartitioner(
+            "throughput_aware", None, PIPELINE_REQUESTS // args.pipeline_depths[0],
+            args.context_len, args.context_len, args.wire_dtype,
+        )  # fmt: skip
+        cut = pipelined.analyze(graph, [edge_dev, cloud_dev], link).cuts[0]
         with split_engine(model, graph, [edge_dev, cloud_dev], cut, cloud_t, net, out, args) as (
             engine,
             worker,
@@ -255,8 +292,10 @@ def split_engine(model, graph, devices, cut, cloud_t, net, out, args):
     worker = start_worker(model, plan_file, cloud_t, net, args)
     engine = None
     try:
+        # each cut is measured where it is: no re-planning while the benchmark runs
         split = engine_args(model, 1, args.context_len, partition=str(plan_file),
-                            partition_address=worker.address)  # fmt: skip
+                            partition_address=worker.address,
+                            partition_replan_interval=0)  # fmt: skip
         engine = LLMEngine.from_engine_args(split, skip_tokenizer_init=True)
         yield engine, worker
     finally:
@@ -267,15 +306,32 @@ def split_engine(model, graph, devices, cut, cloud_t, net, out, args):
 
 def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
     """8 concurrent requests at the pipeline link's planned cut: each of --pipeline-depths
-    against depth 1 (the ratio is the first depth's)."""
-    n, tokens = 8, args.pipeline_tokens
-    got = {}
-    for depth in (1, *args.pipeline_depths):
-        engine.executor.partition = dataclasses.replace(
-            engine.executor.partition, pipeline_depth=depth
-        )
-        got[depth] = on_thread(concurrent_tokens_per_s, engine, n, args.context_len // 2, tokens)
-    engine.executor.partition = dataclasses.replace(engine.executor.partition, pipeline_depth=1)
+    against depth 1 (the ratio is the first depth's). One warm-up run, then
+    --pipeline-rounds rounds visiting the depths in turn, each run on new prompts; the best
+    run of each depth counts. Per depth also the medians of what one step (micro-batch)
+    cost: the edge's compute, the cloud's, and the link (round trip minus the cloud)."""
+    n, tokens = PIPELINE_REQUESTS, args.pipeline_tokens
+    depths = (1, *args.pipeline_depths)
+    executor = engine.executor
+    seeds = iter(range(1, 1000))
+
+    def run(depth: int) -> float:
+        executor.partition = dataclasses.replace(executor.partition, pipeline_depth=depth)
+        executor.monitor = type(executor.monitor)(window=256)
+        got = on_thread(concurrent_tokens_per_s, engine, n, args.context_len // 2, tokens,
+                        next(seeds))  # fmt: skip
+        seen = executor.monitor.snapshot()
+        steps[depth] = {"edge_ms": seen.edge_ms, "cloud_ms": seen.remote_ms,
+                        "link_ms": seen.link_ms}  # fmt: skip
+        return got
+
+    steps: dict[int, dict] = {}
+    run(1)  # warm-up
+    got = {d: run(d) for d in depths}
+    for _ in range(args.pipeline_rounds - 1):
+        for d in depths:
+            got[d] = max(got[d], run(d))
+    executor.partition = dataclasses.replace(executor.partition, pipeline_depth=1)
     return {
         "link": text,
         "cut": cut,
@@ -283,6 +339,7 @@ def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
         "pipelined": got[args.pipeline_depths[0]],
         "ratio": got[args.pipeline_depths[0]] / got[1],
         "by_depth": got,
+        "step_ms": steps,
     }
 
 
@@ -334,6 +391,11 @@ def report(all_results: dict, args, network: str) -> str:
                     f"{p['unpipelined']:.1f} -> {p['pipelined']:.1f} tok/s, "
                     f"**{p['ratio']:.2f}x**; by depth: "
                     + ", ".join(f"{d}: {v:.1f}" for d, v in p["by_depth"].items())
+                    + "; per step edge / cloud / link ms: "
+                    + ", ".join(
+                        f"{d}: {m['edge_ms']:.1f} / {m['cloud_ms']:.1f} / {m['link_ms']:.1f}"
+                        for d, m in p["step_ms"].items()
+                    )
                     + " |||||||"
                 )
     head = [
@@ -352,6 +414,9 @@ def main() -> None:
     parser.add_argument("--cuts", type=int, nargs="*", default=[], help="only these cuts")
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--passes", type=int, default=2, help="passes over the cuts, alternating direction"
+    )
     parser.add_argument("--wire-dtype", default="bfloat16")
     parser.add_argument("--no-pipeline", dest="pipeline", action="store_false")
     parser.add_argument("--pipeline-tokens", type=int, default=16)
@@ -361,6 +426,9 @@ def main() -> None:
         nargs="+",
         default=[2],
         help="pipeline depths measured against depth 1; the first one is reported (2)",
+    )
+    parser.add_argument(
+        "--pipeline-rounds", type=int, default=3, help="rounds over the depths (best counts)"
     )
     parser.add_argument(
         "--pipeline-link",
