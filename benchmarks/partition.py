@@ -195,12 +195,16 @@ def planner(args) -> GraphPartitioner:
     )  # fmt: skip
 
 
-def measured_link(text: str, overhead: dict[int, float]) -> LinkProfile:
-    """A link setting with the transport's overhead measured over the real path (median
-    over the cuts' workers)."""
-    return dataclasses.replace(
-        LinkProfile.parse(text), overhead_ms=statistics.median(overhead.values())
-    )
+def emulated_link(text: str, rtt_ms: float) -> LinkProfile:
+    """The link setting with the RTT the emulated link really adds (the proxy's timers
+    overshoot a little)."""
+    return dataclasses.replace(LinkProfile.parse(text), rtt_ms=rtt_ms)
+
+
+def measured_link(link: LinkProfile, overhead: dict[int, float]) -> LinkProfile:
+    """A link with the transport's overhead measured over the real path (median over the
+    cuts' workers)."""
+    return dataclasses.replace(link, overhead_ms=statistics.median(overhead.values()))
 
 
 def cut_plan(graph, devices, link, cut: int, args) -> object:
@@ -221,6 +225,7 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
     torch.set_num_threads(edge_t)
     results = {"edge_threads": edge_t, "cloud_threads": cloud_t, "links": {}}
     overhead: dict[int, list[float]] = {cut: [] for cut in cuts}
+    rtt: dict[str, list[float]] = {text: [] for text in args.links}  # as pings see each link
     times: dict[tuple[str, int], list[float]] = {}  # (link, cut) -> step times, every pass
     parts: dict[tuple[str, int], list[list[float]]] = {}  # measured edge / cloud / link
     # the machine's speed drifts over minutes: the passes visit the cuts in turn, forward
@@ -232,8 +237,12 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
                 # the transport's own cost per exchange over the real path, no added delay
                 set_link("10000mbit,0ms", net, worker)
                 overhead[cut].append(transport_overhead_ms(engine, args))
+                undelayed = statistics.median(on_thread(engine.executor.ping_ms, 10))
                 for text in args.links:
                     set_link(text, net, worker)
+                    # the emulated link's own RTT: empty pings through it, less undelayed ones
+                    pings = on_thread(engine.executor.ping_ms, 10)
+                    rtt[text].append(statistics.median(pings) - undelayed)
                     engine.executor.monitor = type(engine.executor.monitor)(window=args.steps)
                     got = on_thread(decode_steps, engine, args.context_len, args.steps)
                     seen = engine.executor.monitor.snapshot()
@@ -244,10 +253,12 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
                     print(f"{label} pass {p} {text} cut {cut}: measured p50 "
                           f"{statistics.median(got):.1f}", flush=True)  # fmt: skip
     overhead_ms = {cut: statistics.mean(v) for cut, v in overhead.items()}
+    links = {text: emulated_link(text, statistics.median(rtt[text])) for text in args.links}
+    results["rtt_ms"] = {text: link.rtt_ms for text, link in links.items()}
     rows: dict[str, dict[int, dict]] = {text: {} for text in args.links}
     for text in args.links:
         for cut in cuts:
-            link = dataclasses.replace(LinkProfile.parse(text), overhead_ms=overhead_ms[cut])
+            link = dataclasses.replace(links[text], overhead_ms=overhead_ms[cut])
             predicted = cut_plan(graph, [edge_dev, cloud_dev], link, cut, args).chosen
             got = measured(times[text, cut])
             edge, cloud = predicted.tiers
@@ -261,14 +272,16 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
                 "measured_parts": [statistics.mean(c) for c in zip(*parts[text, cut])],
             }  # fmt: skip
     for text in args.links:
-        plan = planner(args).analyze(graph, [edge_dev, cloud_dev], measured_link(text, overhead_ms))
+        link = measured_link(links[text], overhead_ms)
+        plan = planner(args).analyze(graph, [edge_dev, cloud_dev], link)
         (out / f"plan-{text.replace(',', '_')}.txt").write_text(plan.table() + "\n")
         plot_plan(plan, out / f"plan-{text.replace(',', '_')}.png")
         chosen = plan.cuts[0] if plan.cuts[0] in cuts else None
         results["links"][text] = {"chosen": chosen, "planned": plan.cuts[0], "cuts": rows[text]}
     if args.pipeline:
         text = args.pipeline_link
-        link = measured_link(text, overhead_ms)
+        nominal = links.get(text) or LinkProfile.parse(text)
+        link = measured_link(nominal, overhead_ms)
         # the cut a throughput plan picks for the micro-batches the pipeline runs
         pipelined = GraphPartitioner(
             "throughput_aware", None, PIPELINE_REQUESTS // args.pipeline_depths[0],
