@@ -3,6 +3,7 @@ what it measures with hysteresis."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -11,7 +12,13 @@ from helpers.partition import emulated_link, inprocess_cloud, make_plan
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.partition import DeviceProfile, GraphPartitioner, LayerTimings, LinkProfile
+from pagedllm.partition import (
+    DeviceProfile,
+    GraphPartitioner,
+    LayerTimings,
+    LinkProfile,
+    PartitionPlan,
+)
 from pagedllm.partition.adapt import LinkSnapshot, Replanner
 from pagedllm.partition.graph import GraphNode, ModelGraph, graph_for_model
 from pagedllm.partition.netem import DelayProxy
@@ -194,3 +201,26 @@ def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, t
                 run(1)
             engine.shutdown()
     assert got and all(got[rid] == expected[rid] for rid in got), got
+
+
+def test_a_saved_plan_carries_what_replanning_needs(tmp_path):
+    """The plan file records the partitioner's settings, graph, timings and profiles:
+    Replanner.from_plan plans the same cut from it; without timings measured on both
+    devices it says what is missing."""
+    partitioner = GraphPartitioner(constraints={"min_cloud_throughput": 240}, batch_size=1)
+    link = LinkProfile(1000, 1.0)
+    plan = partitioner.analyze(_graph(), DEVICES, link)
+    plan.save(tmp_path / "plan.json")
+    loaded = PartitionPlan.load(tmp_path / "plan.json")
+    replanner = Replanner.from_plan(loaded)
+    assert replanner.cuts == plan.cuts == (4,)
+    assert replanner.partitioner.constraints == {"min_cloud_throughput": 240}
+    again = replanner.partitioner.analyze(replanner.graph, replanner.devices, replanner.link)
+    assert again.cuts == (4,)
+    assert again.chosen.decode_latency_ms == pytest.approx(plan.chosen.decode_latency_ms)
+
+    unmeasured = GraphPartitioner().analyze(
+        dataclasses.replace(_graph(), measured={}), DEVICES, link
+    )
+    with pytest.raises(ValueError, match="no layer timings measured on edge, cloud"):
+        Replanner.from_plan(unmeasured)
