@@ -224,3 +224,67 @@ def test_a_saved_plan_carries_what_replanning_needs(tmp_path):
     )
     with pytest.raises(ValueError, match="no layer timings measured on edge, cloud"):
         Replanner.from_plan(unmeasured)
+
+
+def _forced_moves(model, plan, cuts_at: dict[int, int], depth: int = 1):
+    """Greedy outputs of a split whose cut is moved at the given engine steps (step ->
+    cut), with the moves the edge made and the cloud's layers at the end."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 12], [40, 41, 42], [7] * 9]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with inprocess_cloud(model, plan) as (cloud, server):
+        args = EngineArgs(
+            model=str(model),
+            partition=str(plan),
+            partition_address=server.address,
+            partition_pipeline_depth=depth,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=16,  # prompts in chunks, batched with decodes
+            **ENGINE,
+        )
+        engine = LLMEngine.from_engine_args(args)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        outs, step = {}, 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            step += 1
+            if step in cuts_at:
+                engine.executor.pending_cut = cuts_at[step]
+        engine.check_integrity()
+        result = (
+            [outs[str(i)] for i in range(len(prompts))],
+            list(engine.executor.moves),
+            cloud.tier.layers,
+            engine.scheduler.num_preemptions,
+        )
+        engine.shutdown()
+    return prompts, params, result
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_moving_the_cut_mid_run_keeps_the_tokens(model_factory, tmp_path, depth):
+    """Moves at steps 4 and 11 (mid-prefill, then mid-decode), with chunked prefill, prefix
+    caching and, at depth 2, steps in flight that are drained first: the outputs equal the
+    unsplit engine's, and each move preempted the running sequences."""
+    model = model_factory("llama", num_hidden_layers=4)
+    plan = make_plan(model, 2, tmp_path / "plan.json")
+    prompts, params, (got, moves, cloud_layers, preempted) = _forced_moves(
+        model, plan, {4: 3, 11: 1}, depth
+    )
+    unsplit = LLM(str(model), **ENGINE).generate(prompts, params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in unsplit]
+    assert moves == [(2, 3), (3, 1)] and cloud_layers == (1, 4)
+    assert preempted >= 2
+
+
+def test_a_cut_the_worker_refuses_leaves_the_split_where_it_was(model_factory, tmp_path):
+    """A cut at the last layer leaves the cloud no layers: the worker refuses it, the edge
+    goes back to the old cut, stops re-planning, and the requests finish correctly."""
+    model = model_factory("llama", num_hidden_layers=4)
+    plan = make_plan(model, 2, tmp_path / "plan.json")
+    prompts, params, (got, moves, cloud_layers, _) = _forced_moves(model, plan, {5: 4})
+    unsplit = LLM(str(model), **ENGINE).generate(prompts, params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in unsplit]
+    assert moves == [] and cloud_layers == (2, 4)
