@@ -54,3 +54,31 @@ def test_a_tier_in_between_needs_the_next_address(model_factory, tmp_path):
     bad = EngineArgs(model=str(model), partition=str(plan), partition_role="tier5", **ENGINE)
     with pytest.raises(ValueError, match="not a tier"):
         CloudWorker(bad.create_engine_config())
+
+
+def test_a_pipelined_chain_overlaps_at_the_tier_in_between(model_factory, tmp_path):
+    """Depth 2 through edge -> gateway -> cloud: the gateway hands a step on and takes the
+    next one before the cloud's reply is back (two steps in flight past it), and the
+    outputs still equal HF's."""
+    model = model_factory("llama", num_hidden_layers=4)
+    plan = make_plan(model, [1, 3], tmp_path / "plan.json")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(2, 12))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with inprocess_cloud(model, plan) as (cloud, cloud_server):
+        with inprocess_cloud(model, plan, role="tier1", next_address=cloud_server.address) as (
+            gateway,
+            server,
+        ):
+            llm = LLM(
+                str(model),
+                partition=str(plan),
+                partition_address=server.address,
+                partition_pipeline_depth=2,
+                **ENGINE,
+            )
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            assert llm.llm_engine.executor.max_outstanding == 2
+            assert gateway.max_in_flight == 2
+            llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, 8)

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from pagedllm.partition.adapt import LinkMonitor, Replanner
 from pagedllm.partition.plan import PartitionPlan, TierSetting, load_tier
 from pagedllm.partition.profiles import LinkProfile
 from pagedllm.partition.transport import (
+    Message,
     PeerLostError,
     RemoteError,
     TierClient,
@@ -397,6 +399,8 @@ class CloudWorker:
             )
         self.next_address = next_address
         self.next: TierClient | None = None
+        self.in_flight = 0  # a tier in between: steps handed on, their replies not yet back
+        self.max_in_flight = 0  # the most at once: > 1 when the steps pipelined through here
         self.max_blocks = self.runner.plan_kv_cache().num_blocks
         self.seqs: dict[int, Sequence] = {}  # seq_id -> mirror of the edge's sequence
         self._lock = threading.Lock()
@@ -448,17 +452,29 @@ class CloudWorker:
 
     def _forward_step(
         self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], start: float
-    ) -> Any:
-        """A tier in between: run its layers, hand the step on, return the next's reply
-        (whose compute_ms then covers this tier, the link after it and the tiers after)."""
+    ) -> Callable[[], Message]:
+        """A tier in between: run its layers and hand the step on; the reply is the next
+        tier's, deferred, so this tier runs the next step while the later ones work on this
+        one (its compute_ms then covers this tier, the link after it and the tiers after)."""
         if self.next is None:
             raise ValueError("no session with the next tier (hello first)")
         inp = self._prepare(meta)
         hidden = decode_hidden(tensors, self.runner.dtype, self.runner.device)
         out = encode_hidden(self.runner.forward(inp, hidden), self.tier.wire_dtype)
-        reply, reply_tensors = self.next.exchange(meta, out)
-        reply["compute_ms"] = (time.perf_counter() - start) * 1e3
-        return reply, reply_tensors
+        client = self.next
+        client.send(meta, out)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+        def reply() -> Message:
+            try:
+                reply, reply_tensors = client.receive()
+            finally:
+                self.in_flight -= 1
+            reply["compute_ms"] = (time.perf_counter() - start) * 1e3
+            return reply, reply_tensors
+
+        return reply
 
     def _range(self) -> tuple[int, int]:
         return self.tier.layers
@@ -505,6 +521,7 @@ class CloudWorker:
         if self.next is not None:
             self.next.close()
             self.next = None
+        self.in_flight = 0
 
     def serve(self, emulate: LinkProfile | None = None) -> TierServer:
         """A started server for this worker at the partition's address."""

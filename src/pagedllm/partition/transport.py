@@ -1,10 +1,13 @@
 """The wire between two tiers: one gRPC (HTTP/2) bidirectional stream per edge session.
 
 Each message is a safetensors buffer: the step's tensors plus a JSON header in its
-metadata. The edge sends one message per engine step and waits for the reply, so the
-stream carries strictly alternating request / reply pairs. A cloud worker serves one edge
-at a time (its KV cache is indexed by that edge's block ids); when the stream ends, for
-whatever reason, the worker's ``on_close`` frees the session's state.
+metadata. Replies come back in the order of the requests; several requests may be in
+flight (a pipelined edge). The server reads requests on a thread of its own and answers
+them in order from the session's stream, so a handler may return a deferred reply (a
+callable the stream calls when that reply is due: a tier in between hands the step on
+and is free for the next one while the tiers after it work). A cloud worker serves one
+edge at a time (its KV cache is indexed by that edge's block ids); when the stream ends,
+for whatever reason, the worker's ``on_close`` frees the session's state.
 
 The link can be emulated (``emulate``: a LinkProfile): before each reply the server sleeps
 one RTT plus both messages' bytes over the bandwidth, as a real link of that profile would
@@ -50,7 +53,10 @@ SERVER_OPTIONS = [
 ]
 
 Message = tuple[dict[str, Any], dict[str, torch.Tensor]]
-Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
+# A reply now, or one later: the callable is called (and may wait) when the reply is due.
+Reply = Message | Callable[[], Message]
+Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Reply]
+READER_JOIN_S = 5.0  # at a session's end: how long its request reader may take to stop
 
 
 class PeerLostError(ConnectionError):
@@ -114,21 +120,48 @@ class TierServer:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "this cloud worker already serves an edge"
             )
         logger.info("edge %s connected", context.peer())
+        pending: queue.SimpleQueue[tuple[bytes, Reply | Exception] | None] = queue.SimpleQueue()
+        reader = threading.Thread(target=self._read, args=(requests, pending), daemon=True)
+        reader.start()
+        try:
+            while (item := pending.get()) is not None:
+                request, reply = item
+                data = self._packed(reply)
+                if self._emulate is not None:
+                    link = self._emulate
+                    time.sleep(link.rtt_ms / 1e3 + link.transfer_s(len(request) + len(data)))
+                yield data
+        finally:
+            logger.info("edge %s disconnected; freeing its session", context.peer())
+            reader.join(READER_JOIN_S)  # no step of this session may land on the next one
+            if reader.is_alive():
+                logger.warning("a step of the ended session is still running")
+            self._on_close()
+            self._busy.release()
+
+    def _read(self, requests: Iterator[bytes], pending: queue.SimpleQueue) -> None:
+        """Handle the session's requests as they come, queueing their replies in order."""
         try:
             for request in requests:
                 try:
-                    reply = pack(*self._handler(*unpack(request)))
-                except Exception as e:  # the edge gets the reason, the worker stays up
-                    logger.exception("step failed")
-                    reply = pack({"error": f"{type(e).__name__}: {e}"}, {})
-                if self._emulate is not None:
-                    link = self._emulate
-                    time.sleep(link.rtt_ms / 1e3 + link.transfer_s(len(request) + len(reply)))
-                yield reply
+                    reply: Reply | Exception = self._handler(*unpack(request))
+                except Exception as e:  # noqa: BLE001 - the edge gets the reason
+                    reply = e
+                pending.put((request, reply))
+        except grpc.RpcError:
+            pass  # the session ended under the reader
         finally:
-            logger.info("edge %s disconnected; freeing its session", context.peer())
-            self._on_close()
-            self._busy.release()
+            pending.put(None)
+
+    @staticmethod
+    def _packed(reply: Reply | Exception) -> bytes:
+        try:
+            if isinstance(reply, Exception):
+                raise reply
+            return pack(*(reply() if callable(reply) else reply))
+        except Exception as e:  # the edge gets the reason, the worker stays up
+            logger.error("step failed: %s: %s", type(e).__name__, e, exc_info=e)
+            return pack({"error": f"{type(e).__name__}: {e}"}, {})
 
 
 class TierClient:
