@@ -135,6 +135,7 @@ class PartitionConfig:
     address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
     pipeline_depth: int = 1  # edge: engine steps (micro-batches) in flight across the tiers
     replan_interval: int = 64  # edge: steps between re-plans from measurements (0: never)
+    fallback: str = "fail"  # edge, a lost link: "fail" the running requests | run them "local"
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class EngineArgs:
     partition_address: str | None = None
     partition_pipeline_depth: int = 1
     partition_replan_interval: int = 64
+    partition_fallback: str = "fail"
     quant_exclude: list[str] | None = None  # module names / patterns left unquantized
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
@@ -305,12 +307,17 @@ class EngineArgs:
                 "partition_replan_interval must be 0 (never) or a number of steps, got "
                 f"{self.partition_replan_interval}."
             )
+        if self.partition_fallback not in ("fail", "local"):
+            raise ValueError(
+                f"partition_fallback must be 'fail' or 'local', got {self.partition_fallback!r}."
+            )
         return PartitionConfig(
             self.partition,
             self.partition_role,
             self.partition_address,
             self.partition_pipeline_depth,
             self.partition_replan_interval,
+            self.partition_fallback,
         )
 
     def _verify(self) -> None:

@@ -118,3 +118,60 @@ def test_link_lost_mid_stream_fails_in_flight_requests_and_recovers(
         engine.shutdown()
     assert outs[0].outputs[0].finish_reason == "length"
     assert outs[0].outputs[0].token_ids == hf_greedy(model, [[5, 6, 7]], 8)[0]
+
+
+def test_link_lost_mid_stream_with_local_fallback_finishes_every_request(
+    model_factory, tmp_path, monkeypatch
+):
+    """partition_fallback="local": when the proxy drops everything, the edge loads every
+    layer, recomputes the running sequences and goes on; when the link returns it opens a
+    new session and the split resumes. No request fails, and the tokens are HF's."""
+    monkeypatch.setenv("PAGEDLLM_SPLIT_REPLY_TIMEOUT", "3")
+    model = model_factory("llama", num_hidden_layers=4)
+    plan = make_plan(model, 2, tmp_path / "plan.json")
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with emulated_link(model, plan, rtt_ms=1) as link:
+        args = EngineArgs(
+            model=str(model),
+            partition=str(plan),
+            partition_address=link.address,
+            partition_fallback="local",
+            **ENGINE,
+        )
+        engine = LLMEngine.from_engine_args(args)
+        executor = engine.executor
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, long)
+        done = {}
+
+        def step() -> None:
+            for out in engine.step():
+                assert out.outputs[0].finish_reason != "error", out.error
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+
+        for _ in range(3):
+            step()
+        link.proxy.down()  # every byte from now on is dropped, the sockets stay open
+        step()  # the lost step: nothing fails, the sequences are recomputed here
+        assert executor.local is not None and executor.fallbacks == 1
+        assert engine.scheduler.num_preemptions >= 3
+        time.sleep(2.5)  # two probes of the worker's address find nothing while it is down
+        assert not executor.repartition_pending
+        for _ in range(10):  # the requests go on while the link is down
+            step()
+        assert executor.local is not None and not done
+        link.proxy.up()
+        deadline = time.monotonic() + 30
+        while executor.local is not None and time.monotonic() < deadline:
+            if not engine.has_unfinished_requests():  # keep work coming until the split is back
+                engine.add_request(f"x{len(done)}", [9, 10, 11], long)
+            step()
+            time.sleep(0.01)
+        assert executor.local is None and executor.returns == 1
+        while engine.has_unfinished_requests():
+            step()
+        engine.check_integrity()
+        engine.shutdown()
+    assert [done[str(i)] for i in range(3)] == hf_greedy(model, prompts, 40)

@@ -250,7 +250,7 @@ class LLMEngine:
         try:
             model_out = self.executor.execute_model(sched_out)
         except ExecutorLostError as e:
-            return self._fail_running(str(e), iteration)
+            return self._lost(str(e), iteration)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
             logger.exception("model step failed; failing the requests in it")
             failed = {item.seq.request_id for item in sched_out.scheduled}
@@ -278,8 +278,7 @@ class LLMEngine:
             try:
                 handle = self.executor.submit(sched_out)
             except ExecutorLostError as e:
-                self._in_flight.clear()
-                return self._fail_running(str(e), iteration)
+                return self._lost(str(e), iteration)
             self._in_flight.append((sched_out, handle, iteration))
             if len(self._in_flight) < depth and len(held) + len(sched_out.scheduled) < active:
                 return []  # filling the pipeline
@@ -289,8 +288,7 @@ class LLMEngine:
         try:
             model_out = self.executor.collect(handle)
         except ExecutorLostError as e:
-            self._in_flight.clear()
-            return self._fail_running(str(e), iteration)
+            return self._lost(str(e), iteration)
         # a sequence aborted while its step was in flight is already gone
         sched_out.scheduled = [i for i in sched_out.scheduled if not i.seq.is_finished]
         return self._finish_step(sched_out, model_out, iteration)
@@ -432,6 +430,18 @@ class LLMEngine:
             if item.spec_token_ids and tokens:
                 stats.observe(len(item.spec_token_ids), len(tokens) - 1)
         return stats
+
+    def _lost(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
+        """The executor lost the KV state of the running sequences (and the steps in
+        flight). If it can go on in another layout (a split running every layer locally
+        after its link was lost), they are recomputed there; otherwise their requests fail."""
+        self._in_flight.clear()
+        if self.executor.repartition_pending:
+            logger.warning("model execution lost its state (%s); recomputing instead", message)
+            self._repartition()
+            self._record(iteration)
+            return []
+        return self._fail_running(message, iteration)
 
     def _fail_running(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
         """The executor lost the KV state of every running sequence: end their requests with

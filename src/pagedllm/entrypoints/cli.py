@@ -57,6 +57,8 @@ _ENGINE_FLAG_HELP = {
     "partition_pipeline_depth": "edge: micro-batches in flight across the tiers (1: none)",
     "partition_replan_interval": "edge: steps between re-planning the cut from what the split "
     "measures, moving it when the optimum moves (0: never)",
+    "partition_fallback": "edge, when the link to the cloud is lost: fail (the running "
+    "requests end with an error) | local (every layer runs here until the link returns)",
     "quant_exclude": "int8: module name or pattern kept in full precision, e.g. lm_head, "
     "'*.self_attn.*' (repeatable)",
     "quant_granularity": "int8 weight scales: per_channel | per_tensor",

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -45,6 +45,7 @@ from pagedllm.partition.transport import (
     RemoteError,
     TierClient,
     TierServer,
+    link_ready,
 )
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.executor import Executor, ExecutorLostError
@@ -53,6 +54,7 @@ from pagedllm.worker.model_runner import ModelOutput, ModelRunner
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 30.0  # at start-up the cloud worker may still be loading
+LINK_PROBE_S = 1.0  # running locally after a lost link: how often to look for the worker
 RECONNECT_TIMEOUT_S = 2.0  # later, each step that finds the cloud gone fails this fast
 _FLOAT_WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,6 +150,12 @@ class SplitExecutor(Executor):
         self._steps_since_plan = 0
         self.pending_cut: int | None = None  # a re-plan moved the cut here; not yet applied
         self.moves: list[tuple[int, int]] = []  # (from, to) of every cut moved while running
+        # fallback "local": while the link is lost, a runner of every layer runs the steps
+        self.local: ModelRunner | None = None
+        self._go_local = False  # the link was just lost: switch at the next step boundary
+        self._link_back = threading.Event()  # set by the probe while running locally
+        self.fallbacks = 0  # times the link was lost and every layer ran here
+        self.returns = 0  # times the split resumed after that
 
     def _replanner(self) -> Replanner | None:
         if self.partition.replan_interval <= 0:
@@ -253,11 +261,13 @@ class SplitExecutor(Executor):
         return rows
 
     def execute_model(self, out: SchedulerOutput) -> ModelOutput:
+        if self.local is not None:  # the link is lost: every layer runs here
+            return self.local.execute(out)
         return self.collect(self.submit(out))
 
     @property
     def pipeline_depth(self) -> int:
-        return self.partition.pipeline_depth
+        return 1 if self.local is not None else self.partition.pipeline_depth
 
     def submit(self, out: SchedulerOutput) -> object:
         """Run this tier's layers for the step and send it on without waiting: with
@@ -275,8 +285,7 @@ class SplitExecutor(Executor):
         try:
             self.client.send(meta, tensors)
         except (PeerLostError, RemoteError) as e:
-            self._drop_session()
-            raise ExecutorLostError(str(e)) from None
+            self._lost(e)
         self.outstanding += 1
         self.max_outstanding = max(self.max_outstanding, self.outstanding)
         return self.client
@@ -288,8 +297,7 @@ class SplitExecutor(Executor):
         try:
             reply, _ = self.client.receive()
         except (PeerLostError, RemoteError) as e:
-            self._drop_session()
-            raise ExecutorLostError(str(e)) from None
+            self._lost(e)
         self.monitor.received(float(reply.get("compute_ms", 0.0)), 8 * len(reply["sampled"]))
         self._maybe_replan()
         return output_from_wire(reply)
@@ -324,9 +332,78 @@ class SplitExecutor(Executor):
 
     @property
     def repartition_pending(self) -> bool:
-        return self.pending_cut is not None
+        if self.local is not None:
+            return self._link_back.is_set()
+        return self._go_local or self.pending_cut is not None
 
     def repartition(self) -> None:
+        """Switch to running every layer here (the link was lost), back to the split (it
+        returned), or move the cut to pending_cut."""
+        if self._go_local:
+            self._run_locally()
+        elif self.local is not None:
+            self._resume_split()
+        else:
+            self._move_cut()
+
+    # ---- a lost link -----------------------------------------------------------------------
+    def _lost(self, e: Exception) -> NoReturn:
+        """The session is gone. With fallback "local" the engine is told it may go on: the
+        running sequences are recomputed on a runner of every layer here until the link
+        returns; otherwise it fails the running requests."""
+        self._drop_session()
+        if self.partition.fallback == "local" and isinstance(e, PeerLostError):
+            self._go_local = True
+        raise ExecutorLostError(str(e)) from None
+
+    def _run_locally(self) -> None:
+        self._go_local = False
+        try:
+            local = ModelRunner(
+                self.config.model, self.config.cache, self.config.scheduler, self.config.device
+            )
+            local.allocate_kv_cache(self.num_blocks)
+        except Exception as e:  # noqa: BLE001 - e.g. no memory for the whole model here
+            logger.error("cannot run every layer here (%s): requests fail until the link "
+                         "returns", e)  # fmt: skip
+            return
+        self.runner.kv_caches = []  # the split's cache is recomputed later anyway
+        self.local = local
+        self.fallbacks += 1
+        self._link_back.clear()
+        threading.Thread(target=self._probe_link, daemon=True).start()
+        logger.warning(
+            "the link to the cloud worker at %s is lost: every layer runs here until it "
+            "returns (running sequences are recomputed)",
+            self.partition.address,
+        )
+
+    def _probe_link(self) -> None:
+        """While running locally: wait until the cloud worker's address answers again."""
+        while self.local is not None and not self._link_back.is_set():
+            if link_ready(self.partition.address, LINK_PROBE_S):
+                self._link_back.set()
+                return
+            time.sleep(LINK_PROBE_S)
+
+    def _resume_split(self) -> None:
+        """The worker answers again: a new session at the split's cut; until it is open,
+        the steps stay here."""
+        self._link_back.clear()
+        try:
+            self._reconnect()
+        except ExecutorLostError as e:
+            logger.info("the cloud worker is not back yet (%s)", e)
+            threading.Thread(target=self._probe_link, daemon=True).start()
+            return
+        self.local = None
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.returns += 1
+        logger.info("the link to the cloud worker is back: layers [%d, ...) run there again",
+                    self.tier.cut)  # fmt: skip
+
+    # ---- moving the cut --------------------------------------------------------------------
+    def _move_cut(self) -> None:
         """Move the cut to pending_cut. The engine calls this with no step in flight and its
         sequences preempted: their KV was laid out for the old cut. The edge loads the new
         layers on the same KV block count, and its hello makes the worker load its own; a

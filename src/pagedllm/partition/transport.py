@@ -229,6 +229,18 @@ class TierClient:
         self._finalizer()
 
 
+def link_ready(address: str, timeout_s: float) -> bool:
+    """Whether a gRPC connection to address comes up within timeout_s (TCP and HTTP/2)."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
 def _end_session(outbox: queue.SimpleQueue, channel: grpc.Channel) -> None:
     outbox.put(None)
     channel.close()
