@@ -543,15 +543,15 @@ class CloudWorker:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-        def reply() -> Message:
+        def relayed() -> Message:
             try:
-                reply, reply_tensors = client.receive()
+                meta, tensors = client.receive()
             finally:
                 self.in_flight -= 1
-            reply["compute_ms"] = (time.perf_counter() - start) * 1e3
-            return reply, reply_tensors
+            meta["compute_ms"] = (time.perf_counter() - start) * 1e3
+            return meta, tensors
 
-        return reply
+        return relayed
 
     def _range(self) -> tuple[int, int]:
         return self.tier.layers
