@@ -454,6 +454,7 @@ class SplitExecutor(Executor):
         return self.runner
 
     def shutdown(self) -> None:
+        self.local = None  # also ends a probe of a lost link
         self._drop_session()
 
 
