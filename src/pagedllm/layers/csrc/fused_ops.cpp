@@ -24,6 +24,19 @@ int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
 }
 
+// Calls fn with a value of the element type of dtype (float or BFloat16, the two these ops
+// take); another dtype is an error naming op.
+template <typename F>
+void with_float_type(at::ScalarType dtype, const char* op, F&& fn) {
+  if (dtype == at::kFloat) {
+    fn(float{});
+  } else if (dtype == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16");
+  }
+}
+
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                        double eps) {
@@ -69,13 +82,9 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual: [T, D]");
   TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1 && weight.is_contiguous(),
               "rows must be contiguous");
-  if (x.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(x, residual, weight, eps);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    add_rms_norm_impl<c10::BFloat16>(x, residual, weight, eps);
-  } else {
-    TORCH_CHECK(false, "fused_add_rms_norm: float32 or bfloat16");
-  }
+  with_float_type(x.scalar_type(), "fused_add_rms_norm", [&](auto t) {
+    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps);
+  });
 }
 
 template <typename T>
@@ -131,13 +140,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, cons
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
   at::Tensor q_out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor k_out = at::empty({k.size(0), k.size(1), k.size(2)}, k.options());
-  if (q.scalar_type() == at::kFloat) {
-    rotary_impl<float>(positions, q, k, q_out, k_out, cos, sin);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    rotary_impl<c10::BFloat16>(positions, q, k, q_out, k_out, cos, sin);
-  } else {
-    TORCH_CHECK(false, "rotary_neox: float32 or bfloat16");
-  }
+  with_float_type(q.scalar_type(), "rotary_neox", [&](auto t) {
+    rotary_impl<decltype(t)>(positions, q, k, q_out, k_out, cos, sin);
+  });
   return {q_out, k_out};
 }
 
@@ -185,13 +190,9 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "x: [T, 2 * d]");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    silu_and_mul_impl<float>(x, out);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    silu_and_mul_impl<c10::BFloat16>(x, out);
-  } else {
-    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16");
-  }
+  with_float_type(x.scalar_type(), "silu_and_mul", [&](auto t) {
+    silu_and_mul_impl<decltype(t)>(x, out);
+  });
   return out;
 }
 
@@ -265,13 +266,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.size(0) == 0) return y;
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
-  if (x.scalar_type() == at::kFloat) {
-    gemv_impl<float>(x, w, b, y);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    gemv_impl<c10::BFloat16>(x, w, b, y);
-  } else {
-    TORCH_CHECK(false, "gemv: float32 or bfloat16");
-  }
+  with_float_type(x.scalar_type(), "gemv", [&](auto t) { gemv_impl<decltype(t)>(x, w, b, y); });
   return y;
 }
 
@@ -345,11 +340,9 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
 }
 
 void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  if (x.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(x, residual, weight, eps);
-  } else {
-    add_rms_norm_impl<c10::BFloat16>(x, residual, weight, eps);
-  }
+  with_float_type(x.scalar_type(), "decoder_layers", [&](auto t) {
+    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
