@@ -327,6 +327,7 @@ def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
     depths = (1, *args.pipeline_depths)
     executor = engine.executor
     seeds = iter(range(1, 1000))
+    steps: dict[int, dict] = {}  # depth -> the medians of one step's parts, its last run
 
     def run(depth: int) -> float:
         executor.partition = dataclasses.replace(executor.partition, pipeline_depth=depth)
@@ -338,7 +339,6 @@ def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
                         "link_ms": seen.link_ms}  # fmt: skip
         return got
 
-    steps: dict[int, dict] = {}
     run(1)  # warm-up
     got = {d: run(d) for d in depths}
     for _ in range(args.pipeline_rounds - 1):

@@ -111,8 +111,7 @@ class Replanner:
         devices = [DeviceProfile(**d) for d in basis["devices"]]
         if len(devices) != 2:
             raise ValueError(f"re-planning is for two tiers; this plan has {len(devices)}.")
-        settings = dict(basis["settings"])
-        partitioner = GraphPartitioner(**settings)
+        partitioner = GraphPartitioner(**basis["settings"])
         graph = ModelGraph.from_dict(basis["graph"])
         unmeasured = [d.name for d in devices if d.name not in graph.measured]
         if unmeasured:

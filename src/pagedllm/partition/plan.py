@@ -8,9 +8,8 @@ the last [k2, L), the final norm and the LM head. Hidden states cross each link 
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +233,7 @@ class TierSetting:
         layers = (0, cut) if self.index == 0 else (cut, self.layers[1])
         if not layers[0] < layers[1]:
             raise ValueError(f"a cut at layer {cut} leaves tier {self.role} no layers {layers}.")
-        return dataclasses.replace(self, cut=cut, layers=layers)
+        return replace(self, cut=cut, layers=layers)
 
 
 def tier_index(role: str, num_tiers: int) -> int:

@@ -312,7 +312,7 @@ class SplitExecutor(Executor):
         seen = self.monitor.snapshot()
         if self._steps_since_plan < self.partition.replan_interval or seen is None:
             return
-        if seen.steps < self.monitor.window:
+        if seen.steps < self.monitor.window:  # a full window measured at this cut
             return
         self._steps_since_plan = 0
         plan = self.replanner.replan(seen)
@@ -359,9 +359,7 @@ class SplitExecutor(Executor):
     def _run_locally(self) -> None:
         self._go_local = False
         try:
-            local = ModelRunner(
-                self.config.model, self.config.cache, self.config.scheduler, self.config.device
-            )
+            local = ModelRunner.from_engine_config(self.config)  # every layer
             local.allocate_kv_cache(self.num_blocks)
         except Exception as e:  # noqa: BLE001 - e.g. no memory for the whole model here
             logger.error("cannot run every layer here (%s): requests fail until the link "
