@@ -108,9 +108,10 @@ def live_streams(engine: AsyncLLMEngine) -> list[RequestStream]:
     return [s for s in streams if getattr(s._on_abort, "__self__", None) is engine]
 
 
-def successes(server) -> float:  # noqa: ANN001
-    """Requests that finished (for their length), as the server's metrics count them."""
-    labels = {"model_name": MODEL, "finished_reason": "length"}
+def ended(server, reason: str) -> float:  # noqa: ANN001
+    """Requests that ended for this reason ("length", "abort"), as the server's metrics count
+    them."""
+    labels = {"model_name": MODEL, "finished_reason": reason}
     registry = server.app.state.metrics.registry
     return registry.get_sample_value("pagedllm:request_success_total", labels) or 0.0
 
@@ -126,7 +127,7 @@ def test_200_streaming_clients_in_rounds(serve, expected_texts) -> None:
     clients = make_clients()
     rss: list[int] = []
     for _ in range(ROUNDS):
-        done_before = successes(server)
+        lengths_before, aborts_before = ended(server, "length"), ended(server, "abort")
         started = time.monotonic()
         results = asyncio.run(asyncio.wait_for(one_round(server.url, clients), ROUND_TIMEOUT))
         assert time.monotonic() - started < ROUND_TIMEOUT
@@ -138,8 +139,14 @@ def test_200_streaming_clients_in_rounds(serve, expected_texts) -> None:
                 finished += 1
         assert finished == sum(c.leave_after is None for c in clients)
         server.wait_idle()
-        # The leavers were aborted: only the streams read to the end finished.
-        assert successes(server) - done_before == finished
+        # Every request ended, each read to its end for its length. A leaver is aborted when its
+        # disconnect reaches the server; one whose last token the engine made first (a loaded
+        # machine can be that late) ends for its length instead, so most, not all, are aborts.
+        lengths = ended(server, "length") - lengths_before
+        aborts = ended(server, "abort") - aborts_before
+        assert lengths + aborts == CLIENTS
+        assert lengths >= finished
+        assert aborts >= (CLIENTS - finished) * 3 // 4
         assert server.on_engine(lambda e: len(server.engine._streams)) == 0
         deadline = time.monotonic() + 10  # the server's handlers of the last round may linger
         while live_streams(server.engine):
