@@ -50,6 +50,7 @@ from pagedllm.partition import (  # noqa: E402
     LinkProfile,
     netem,  # noqa: E402
 )
+from pagedllm.partition.adapt import LinkMonitor, LinkSnapshot  # noqa: E402
 from pagedllm.partition.graph import graph_for_model  # noqa: E402
 from pagedllm.partition.plot import plot_plan  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
@@ -178,13 +179,13 @@ def set_link(text: str, net, worker: Worker) -> None:
         worker.proxy.set(rtt_ms=link.rtt_ms)
 
 
-def transport_overhead_ms(engine: LLMEngine, args) -> float:
-    """The link's share of real decode steps over a link without delay: the time from
-    sending a step to its reply, less the cloud's compute (encoding, the RPC, the proxy
-    and decoding on both sides; the runtime's LinkMonitor), median over the steps."""
-    engine.executor.monitor = type(engine.executor.monitor)(window=args.steps)
-    on_thread(decode_steps, engine, args.context_len, args.steps)
-    return engine.executor.monitor.snapshot().link_ms
+def monitored_steps(engine: LLMEngine, args) -> tuple[list[float], LinkSnapshot]:
+    """--steps decode steps' times, and the runtime's LinkMonitor medians over just them:
+    edge and cloud compute, and the link's share (round trip less the cloud's compute:
+    encoding, the RPC, the proxy and decoding on both sides)."""
+    engine.executor.monitor = LinkMonitor(window=args.steps)
+    times = on_thread(decode_steps, engine, args.context_len, args.steps)
+    return times, engine.executor.monitor.snapshot()
 
 
 def planner(args) -> GraphPartitioner:
@@ -236,16 +237,14 @@ def bench_ratio(label: str, model: str, edge_t: int, cloud_t: int, net, args) ->
                               args) as (engine, worker):  # fmt: skip
                 # the transport's own cost per exchange over the real path, no added delay
                 set_link("10000mbit,0ms", net, worker)
-                overhead[cut].append(transport_overhead_ms(engine, args))
+                overhead[cut].append(monitored_steps(engine, args)[1].link_ms)
                 undelayed = statistics.median(on_thread(engine.executor.ping_ms, 10))
                 for text in args.links:
                     set_link(text, net, worker)
                     # the emulated link's own RTT: empty pings through it, less undelayed ones
                     pings = on_thread(engine.executor.ping_ms, 10)
                     rtt[text].append(statistics.median(pings) - undelayed)
-                    engine.executor.monitor = type(engine.executor.monitor)(window=args.steps)
-                    got = on_thread(decode_steps, engine, args.context_len, args.steps)
-                    seen = engine.executor.monitor.snapshot()
+                    got, seen = monitored_steps(engine, args)
                     times.setdefault((text, cut), []).extend(got)
                     parts.setdefault((text, cut), []).append(
                         [seen.edge_ms, seen.remote_ms, seen.link_ms]
@@ -331,7 +330,7 @@ def pipeline_ratio(engine, text: str, cut: int, args) -> dict:
 
     def run(depth: int) -> float:
         executor.partition = dataclasses.replace(executor.partition, pipeline_depth=depth)
-        executor.monitor = type(executor.monitor)(window=256)
+        executor.monitor = LinkMonitor(window=256)
         got = on_thread(concurrent_tokens_per_s, engine, n, args.context_len // 2, tokens,
                         next(seeds))  # fmt: skip
         seen = executor.monitor.snapshot()

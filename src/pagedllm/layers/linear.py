@@ -50,7 +50,7 @@ class LinearBase(nn.Module):
     def fused_operands(self) -> tuple[list[torch.Tensor | None], int] | None:
         """([weight, rowsum, scale, bias], activation levels) for the fused CPU decoder layers
         (layers/cpu_fused.py), or None where they cannot run this layer's product: under tensor
-        parallelism, or with a matmul other than F.linear. A float weight has no rowsum."""
+        parallelism, or where a subclass overrides matmul. A float weight has no rowsum."""
         if self.comm.world_size != 1 or type(self).matmul is not LinearBase.matmul:
             return None
         return [self.weight, None, None, self.bias], 0

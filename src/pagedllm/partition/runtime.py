@@ -302,7 +302,7 @@ class SplitExecutor(Executor):
         self._maybe_replan()
         return output_from_wire(reply)
 
-    # ---- moving the cut ------------------------------------------------------------------
+    # ---- re-planning, and changing the layout between steps ------------------------------
     def _maybe_replan(self) -> None:
         """Every replan_interval steps, once a full window was measured at this cut, plan
         again; a move is left in pending_cut for the engine to carry out between steps."""
@@ -368,31 +368,33 @@ class SplitExecutor(Executor):
         self.runner.kv_caches = []  # the split's cache is recomputed later anyway
         self.local = local
         self.fallbacks += 1
-        self._link_back.clear()
-        threading.Thread(target=self._probe_link, daemon=True).start()
+        self._start_probe()
         logger.warning(
             "the link to the cloud worker at %s is lost: every layer runs here until it "
             "returns (running sequences are recomputed)",
             self.partition.address,
         )
 
+    def _start_probe(self) -> None:
+        self._link_back.clear()
+        threading.Thread(target=self._probe_link, daemon=True).start()
+
     def _probe_link(self) -> None:
-        """While running locally: wait until the cloud worker's address answers again."""
-        while self.local is not None and not self._link_back.is_set():
+        """While running locally: look for the cloud worker's address every LINK_PROBE_S
+        (each try waits that long for the connection) until it answers."""
+        while self.local is not None:
             if link_ready(self.partition.address, LINK_PROBE_S):
                 self._link_back.set()
                 return
-            time.sleep(LINK_PROBE_S)
 
     def _resume_split(self) -> None:
         """The worker answers again: a new session at the split's cut; until it is open,
         the steps stay here."""
-        self._link_back.clear()
         try:
             self._reconnect()
         except ExecutorLostError as e:
             logger.info("the cloud worker is not back yet (%s)", e)
-            threading.Thread(target=self._probe_link, daemon=True).start()
+            self._start_probe()
             return
         self.local = None
         self.runner.allocate_kv_cache(self.num_blocks)
