@@ -40,9 +40,9 @@ class Server:
         return self.engine.submit(fn).result(timeout=30)
 
     def successes(self, reason: str) -> float:
-        labels = {"model_name": MODEL, "finished_reason": reason}
+        labels = {"model_name": MODEL, "engine": "0", "finished_reason": reason}
         value = self.app.state.metrics.registry.get_sample_value(
-            "pagedllm:request_success_total", labels
+            "vllm:request_success_total", labels
         )
         return value or 0.0
 
@@ -278,7 +278,7 @@ def test_models_tokenize_detokenize_health_version(server) -> None:
     server.app.state.monitor.record_metric("app_queue_depth", 7)  # user metrics, same endpoint
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200
-    assert 'pagedllm:num_requests_running{model_name="tiny"}' in metrics.text
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in metrics.text
     assert 'pagedllm:app_queue_depth{model_name="tiny"} 7.0' in metrics.text
 
 

@@ -54,9 +54,9 @@ def test_serve_with_ngram_speculation(tiny_llama) -> None:
         assert text == plain.choices[0].text
         assert plain.usage.completion_tokens == 40
         metrics = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=10).text
-        drafts = re.search(r"pagedllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)", metrics)
+        drafts = re.search(r"vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)", metrics)
         assert drafts is not None and float(drafts.group(1)) > 0
-        assert "pagedllm:spec_decode_num_accepted_tokens_total" in metrics
+        assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedllm.core.stats import IterationStats, SchedulerStats, SpecDecodingStats
 from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
 
-LABELS = {"model_name": "m"}
+LABELS = {"model_name": "m", "engine": "0"}
 
 
 def sched() -> SchedulerStats:
@@ -25,16 +25,16 @@ def test_prometheus_spec_decode_counters() -> None:
     logger.record(sched(), step_stats((3, 2)))
     logger.record(sched(), IterationStats(1.0))  # a step without speculation
     value = logger.registry.get_sample_value
-    assert value("pagedllm:spec_decode_num_drafts_total", LABELS) == 3
-    assert value("pagedllm:spec_decode_num_draft_tokens_total", LABELS) == 11
-    assert value("pagedllm:spec_decode_num_accepted_tokens_total", LABELS) == 7
+    assert value("vllm:spec_decode_num_drafts_total", LABELS) == 3
+    assert value("vllm:spec_decode_num_draft_tokens_total", LABELS) == 11
+    assert value("vllm:spec_decode_num_accepted_tokens_total", LABELS) == 7
     per_pos = [
-        value("pagedllm:spec_decode_num_accepted_tokens_per_pos_total", {**LABELS, "position": p})
+        value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**LABELS, "position": p})
         for p in "0123"
     ]
     assert per_pos == [3, 2, 1, 1]
     text = logger.render().decode()
-    assert "pagedllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
 
 
 def test_log_line_reports_acceptance_over_the_window() -> None:
@@ -66,7 +66,7 @@ def test_engine_reports_its_speculation(model_factory) -> None:
     prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
     value = logger.registry.get_sample_value
-    drafts = value("pagedllm:spec_decode_num_drafts_total", LABELS)
-    draft_tokens = value("pagedllm:spec_decode_num_draft_tokens_total", LABELS)
+    drafts = value("vllm:spec_decode_num_drafts_total", LABELS)
+    draft_tokens = value("vllm:spec_decode_num_draft_tokens_total", LABELS)
     assert drafts > 0 and drafts <= draft_tokens <= 3 * drafts
-    assert 0 <= value("pagedllm:spec_decode_num_accepted_tokens_total", LABELS) <= draft_tokens
+    assert 0 <= value("vllm:spec_decode_num_accepted_tokens_total", LABELS) <= draft_tokens

@@ -9,7 +9,8 @@ from pagedllm.core.stats import FinishedRequestStats, IterationStats, SchedulerS
 from pagedllm.metrics import InferenceMonitor, LoggingStatLogger, PrometheusStatLogger
 from pagedllm.metrics.prometheus import token_buckets
 
-LABELS = {"model_name": "m"}
+LABELS = {"model_name": "m", "engine": "0"}
+APP_LABELS = {"model_name": "m"}
 
 
 def sched(queries: int = 0, hits: int = 0, preemptions: int = 0, **kw: float) -> SchedulerStats:
@@ -44,41 +45,43 @@ def test_prometheus_logger_maps_engine_stats() -> None:
     )
     # Cumulative engine counters become increments: a second step adds only the difference.
     logger.record(sched(queries=150, hits=90, preemptions=1, num_running=0), IterationStats(1.0))
-    assert value("pagedllm:num_requests_running", LABELS) == 0
-    assert value("pagedllm:num_requests_waiting", LABELS) == 2
-    assert value("pagedllm:kv_cache_usage_perc", LABELS) == 0.25
-    assert value("pagedllm:prefix_cache_queries_total", LABELS) == 150
-    assert value("pagedllm:prefix_cache_hits_total", LABELS) == 90
-    assert value("pagedllm:num_preemptions_total", LABELS) == 1
-    assert value("pagedllm:prompt_tokens_total", LABELS) == 30
-    assert value("pagedllm:generation_tokens_total", LABELS) == 4
+    assert value("vllm:num_requests_running", LABELS) == 0
+    assert value("vllm:num_requests_waiting", LABELS) == 2
+    assert value("vllm:kv_cache_usage_perc", LABELS) == 0.25
+    assert value("vllm:prefix_cache_queries_total", LABELS) == 150
+    assert value("vllm:prefix_cache_hits_total", LABELS) == 90
+    assert value("vllm:num_preemptions_total", LABELS) == 1
+    assert value("vllm:prompt_tokens_total", LABELS) == 30
+    assert value("vllm:generation_tokens_total", LABELS) == 4
     for reason in ("stop", "length"):
         labels = {**LABELS, "finished_reason": reason}
-        assert value("pagedllm:request_success_total", labels) == 1
-    assert value("pagedllm:time_to_first_token_seconds_count", LABELS) == 2
-    assert value("pagedllm:time_to_first_token_seconds_sum", LABELS) == pytest.approx(0.12)
-    assert value("pagedllm:inter_token_latency_seconds_count", LABELS) == 1
-    assert value("pagedllm:e2e_request_latency_seconds_sum", LABELS) == pytest.approx(3.0)
-    assert value("pagedllm:request_queue_time_seconds_sum", LABELS) == pytest.approx(0.2)
-    assert value("pagedllm:request_prefill_time_seconds_sum", LABELS) == pytest.approx(0.4)
-    assert value("pagedllm:request_decode_time_seconds_sum", LABELS) == pytest.approx(2.4)
-    assert value("pagedllm:request_prompt_tokens_sum", LABELS) == 30
-    assert value("pagedllm:request_generation_tokens_sum", LABELS) == 12
-    assert value("pagedllm:request_prompt_tokens_bucket", {**LABELS, "le": "10.0"}) == 1
-    assert value("pagedllm:iteration_tokens_count", LABELS) == 1  # empty steps are skipped
+        assert value("vllm:request_success_total", labels) == 1
+    assert value("vllm:time_to_first_token_seconds_count", LABELS) == 2
+    assert value("vllm:time_to_first_token_seconds_sum", LABELS) == pytest.approx(0.12)
+    assert value("vllm:inter_token_latency_seconds_count", LABELS) == 1
+    assert value("vllm:e2e_request_latency_seconds_sum", LABELS) == pytest.approx(3.0)
+    assert value("vllm:request_queue_time_seconds_sum", LABELS) == pytest.approx(0.2)
+    assert value("vllm:request_prefill_time_seconds_sum", LABELS) == pytest.approx(0.4)
+    assert value("vllm:request_decode_time_seconds_sum", LABELS) == pytest.approx(2.4)
+    assert value("vllm:request_inference_time_seconds_sum", LABELS) == pytest.approx(2.8)
+    assert value("vllm:request_prompt_tokens_sum", LABELS) == 30
+    assert value("vllm:request_generation_tokens_sum", LABELS) == 12
+    assert value("vllm:request_prompt_tokens_bucket", {**LABELS, "le": "10.0"}) == 1
+    assert value("vllm:iteration_tokens_total_count", LABELS) == 1  # empty steps are skipped
     info = {**LABELS, "block_size": "16"}
-    assert value("pagedllm:cache_config_info", info) == 1
+    assert value("vllm:cache_config_info", info) == 1
 
 
 def test_render_is_valid_exposition_with_every_metric_labelled() -> None:
     logger = PrometheusStatLogger("m", 256)
     logger.record(sched(), IterationStats(0.0, finished_requests=[finished("stop")]))
     families = list(text_string_to_metric_families(logger.render().decode()))
-    ours = [f for f in families if f.name.startswith("pagedllm:")]
+    ours = [f for f in families if f.name.startswith("vllm:")]
     assert len(ours) >= 19
     for family in ours:
         for sample in family.samples:
             assert sample.labels.get("model_name") == "m", sample
+            assert sample.labels.get("engine") == "0", sample
     assert any(f.name.startswith("process_") for f in families)
 
 
@@ -86,8 +89,8 @@ def test_two_loggers_do_not_collide() -> None:
     a = PrometheusStatLogger("a", 64, process_metrics=False)
     b = PrometheusStatLogger("b", 64, process_metrics=False)
     a.record(sched(), IterationStats(0.0, num_generation_tokens=3))
-    labels_b = {"model_name": "b"}
-    assert b.registry.get_sample_value("pagedllm:generation_tokens_total", labels_b) == 0
+    labels_b = {"model_name": "b", "engine": "0"}
+    assert b.registry.get_sample_value("vllm:generation_tokens_total", labels_b) == 0
 
 
 def test_token_buckets() -> None:
@@ -126,10 +129,10 @@ def test_inference_monitor() -> None:
     monitor.observe("retrieval_seconds", 0.4)
     monitor.increment("cache_misses", 2)
     value = monitor.registry.get_sample_value
-    assert value("pagedllm:queue_depth", LABELS) == 5
-    assert value("pagedllm:retrieval_seconds_count", LABELS) == 2
-    assert value("pagedllm:retrieval_seconds_sum", LABELS) == pytest.approx(0.6)
-    assert value("pagedllm:cache_misses_total", LABELS) == 2
+    assert value("pagedllm:queue_depth", APP_LABELS) == 5
+    assert value("pagedllm:retrieval_seconds_count", APP_LABELS) == 2
+    assert value("pagedllm:retrieval_seconds_sum", APP_LABELS) == pytest.approx(0.6)
+    assert value("pagedllm:cache_misses_total", APP_LABELS) == 2
     assert b"pagedllm:queue_depth" in monitor.render()
     with pytest.raises(ValueError, match="is a Gauge"):
         monitor.observe("queue_depth", 1.0)

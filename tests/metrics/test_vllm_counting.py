@@ -12,7 +12,7 @@ from pagedllm import EngineArgs, LLMEngine, SamplingParams
 from pagedllm.entrypoints.openai.server import build_app, serve_in_thread
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
-LABELS = {"model_name": "tiny"}
+LABELS = {"model_name": "tiny", "engine": "0"}
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(66)]  # 66 token ids: 4 full 16-token blocks
 
 
@@ -33,7 +33,7 @@ def engine(tiny_llama):
 
 
 def value(metrics: PrometheusStatLogger, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value("pagedllm:" + name, {**LABELS, **labels}) or 0.0
+    return metrics.registry.get_sample_value("vllm:" + name, {**LABELS, **labels}) or 0.0
 
 
 def run(engine: LLMEngine, request_id: str, params: SamplingParams) -> None:
@@ -88,12 +88,33 @@ def test_kv_cache_hit_rate_is_on_metrics(tiny_llama) -> None:
             body = {"prompt": PROMPT, "max_tokens": 1}
             assert httpx.post(url + "/v1/completions", json=body).status_code == 200
         registry = app.state.metrics.registry
-        queries = registry.get_sample_value("pagedllm:prefix_cache_queries_total", LABELS)
-        hits = registry.get_sample_value("pagedllm:prefix_cache_hits_total", LABELS)
+        queries = registry.get_sample_value("vllm:prefix_cache_queries_total", LABELS)
+        hits = registry.get_sample_value("vllm:prefix_cache_hits_total", LABELS)
         assert (queries, hits) == (2 * len(PROMPT), 64)
-        rate = registry.get_sample_value("pagedllm:kv_cache_hit_rate", LABELS)
+        rate = registry.get_sample_value("pagedllm:kv_cache_hit_rate", {"model_name": "tiny"})
         assert rate == pytest.approx(64 / (2 * len(PROMPT)))
         assert (
             f'pagedllm:kv_cache_hit_rate{{model_name="tiny"}} {rate}'
             in httpx.get(url + "/metrics").text
         )
+
+
+def test_cache_config_info_tells_the_cpu_cache_as_it_was_sized(tiny_llama) -> None:
+    """On the CPU the info gauge carries the blocks and bytes the engine allocated, under
+    vLLM's metric name and labels, and no GPU memory share that nothing applied."""
+    args = EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, max_model_len=256)
+    app = build_app(args, ["tiny"], log_stats_interval=None)
+    kv = app.state.engine.engine.kv_cache
+    with serve_in_thread(app) as url:
+        text = httpx.get(url + "/metrics").text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")]
+    pairs = line[line.index("{") + 1 : line.index("}")].split(",")
+    labels = {k: v.strip('"') for k, v in (pair.split("=", 1) for pair in pairs)}
+    assert labels["engine"] == "0" and labels["model_name"] == "tiny"
+    assert labels["device"] == "cpu"
+    assert labels["num_gpu_blocks"] == str(kv.num_blocks)
+    assert int(labels["kv_cache_memory_bytes"]) == kv.num_blocks * kv.bytes_per_block
+    assert 0 < int(labels["kv_cache_memory_bytes"]) <= 1 << 22
+    assert "gpu_memory_utilization" not in labels
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f'vllm:{name}{{engine="0",model_name="tiny"}}' in text  # what llm-d's EPP reads

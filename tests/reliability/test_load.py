@@ -111,9 +111,9 @@ def live_streams(engine: AsyncLLMEngine) -> list[RequestStream]:
 def ended(server, reason: str) -> float:  # noqa: ANN001
     """Requests that ended for this reason ("length", "abort"), as the server's metrics count
     them."""
-    labels = {"model_name": MODEL, "finished_reason": reason}
+    labels = {"model_name": MODEL, "engine": "0", "finished_reason": reason}
     registry = server.app.state.metrics.registry
-    return registry.get_sample_value("pagedllm:request_success_total", labels) or 0.0
+    return registry.get_sample_value("vllm:request_success_total", labels) or 0.0
 
 
 def rss_bytes() -> int:

@@ -1,9 +1,10 @@
 """InferenceMonitor: application metrics beside the engine's, with a two-method API.
 
 ``record_metric(name, value)`` sets a gauge and ``observe(name, value)`` feeds a histogram;
-each collector is created on first use under the ``pagedllm:`` prefix and the monitor's
-labels. Share the server's registry (``app.state.monitor`` already does) and the metrics
-appear at /metrics next to the engine's.
+each collector is created on first use under the ``pagedllm:`` prefix (application metrics
+are not vLLM's, so they stay out of its ``vllm:`` namespace) and the monitor's labels. Share
+the server's registry (``app.state.monitor`` already does) and the metrics appear at /metrics
+next to the engine's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.core.stats import IterationStats, SchedulerStats
-from pagedllm.metrics.prometheus import LATENCY_BUCKETS, PREFIX
+from pagedllm.metrics.prometheus import LATENCY_BUCKETS
+
+PREFIX = "pagedllm:"
 
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 

@@ -1,4 +1,11 @@
-"""Prometheus collectors of the engine, named like vLLM's (``pagedllm:`` prefix, model_name label).
+"""Prometheus collectors of the engine under vLLM's names, labels and units.
+
+Every engine collector is ``vllm:<name>`` with the labels ``model_name`` (the served name) and
+``engine`` (the engine's index, "0" for a replica's one engine), as vLLM v1 exports them, so
+vLLM's Grafana dashboards, llm-d's endpoint picker, the routers' load policies and
+Prometheus-adapter rules written for vLLM read a pagedllm replica unchanged. Gauges of a share
+are fractions (``kv_cache_usage_perc``: 1 means 100 %), times are in seconds, token counts in
+tokens; counters get the ``_total`` suffix on the wire.
 
 ``PrometheusStatLogger.record`` is called by the engine after every step (on the engine thread;
 prometheus_client is thread-safe). Cumulative engine counters (prefix-cache lookups,
@@ -21,7 +28,8 @@ from prometheus_client import (
 
 from pagedllm.core.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
-PREFIX = "pagedllm:"
+PREFIX = "vllm:"
+LABELS = ["model_name", "engine"]
 
 # Bucket edges follow vLLM's, with finer low edges: a small model on a CPU answers in ms.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -30,6 +38,7 @@ ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 ITL_BUCKETS += [0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0]
 LATENCY_BUCKETS += [15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -55,8 +64,10 @@ class PrometheusStatLogger:
         cache_info: dict[str, str] | None = None,
         registry: CollectorRegistry | None = None,
         process_metrics: bool = True,
+        engine_index: int = 0,
     ) -> None:
         self.model_name = model_name
+        self.engine = str(engine_index)
         self.registry = registry if registry is not None else CollectorRegistry()
         if process_metrics:
             ProcessCollector(registry=self.registry)
@@ -70,9 +81,9 @@ class PrometheusStatLogger:
 
     # ---- collectors ----------------------------------------------------------------------
     def _labels(self, kind: type, name: str, doc: str, **kwargs: object) -> object:
-        """The child of collector PREFIX + name for this model's name."""
-        collector = kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kwargs)
-        return collector.labels(model_name=self.model_name)
+        """The child of collector PREFIX + name for this model and engine."""
+        collector = kind(PREFIX + name, doc, LABELS, registry=self.registry, **kwargs)
+        return collector.labels(model_name=self.model_name, engine=self.engine)
 
     def _build_gauges(self, cache_info: dict[str, str]) -> None:
         g = self._labels
@@ -86,10 +97,10 @@ class PrometheusStatLogger:
         info = Gauge(
             PREFIX + "cache_config_info",
             "Information of the KV-cache configuration.",
-            ["model_name", *sorted(cache_info)],
+            [*LABELS, *sorted(cache_info)],
             registry=self.registry,
         )
-        info.labels(model_name=self.model_name, **cache_info).set(1)
+        info.labels(model_name=self.model_name, engine=self.engine, **cache_info).set(1)
 
     def _build_counters(self) -> None:
         c = self._labels
@@ -107,11 +118,11 @@ class PrometheusStatLogger:
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
+            [*LABELS, "finished_reason"],
             registry=self.registry,
         )
         for reason in ("stop", "length", "abort"):  # exported as 0 before any request ends
-            self.request_success.labels(model_name=self.model_name, finished_reason=reason)
+            self._success(reason)
         self.spec_drafts = c(
             Counter, "spec_decode_num_drafts", "Speculative proposals verified (per sequence)."
         )
@@ -124,7 +135,7 @@ class PrometheusStatLogger:
         self.spec_accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Speculative draft tokens accepted, by position in the proposal.",
-            ["model_name", "position"],
+            [*LABELS, "position"],
             registry=self.registry,
         )
 
@@ -140,6 +151,7 @@ class PrometheusStatLogger:
         latency = {
             "e2e": ("e2e_request_latency_seconds", "End-to-end request latency."),
             "queue": ("request_queue_time_seconds", "Time in the waiting queue."),
+            "inference": ("request_inference_time_seconds", "First scheduled -> last token."),
             "prefill": ("request_prefill_time_seconds", "First scheduled -> first token."),
             "decode": ("request_decode_time_seconds", "First token -> last token."),
         }
@@ -159,11 +171,11 @@ class PrometheusStatLogger:
             "Generated tokens of finished requests (all n samples).",
             buckets=tokens,
         )
-        self.iteration_tokens = h(
+        self.iteration_tokens = h(  # vLLM's name carries the _total itself
             Histogram,
-            "iteration_tokens",
+            "iteration_tokens_total",
             "Tokens computed per engine step.",
-            buckets=token_buckets(max(max_model_len, 16384)),
+            buckets=ITERATION_TOKEN_BUCKETS,
         )
 
     # ---- the StatLogger protocol ---------------------------------------------------------
@@ -189,12 +201,11 @@ class PrometheusStatLogger:
         for itl in it.inter_token_latencies:
             self.itl.observe(itl)
         for req in it.finished_requests:
-            self.request_success.labels(
-                model_name=self.model_name, finished_reason=req.finish_reason
-            ).inc()
+            self._success(req.finish_reason).inc()
             self.request_latency["e2e"].observe(req.e2e_latency)
             self.request_latency["queue"].observe(req.queue_time)
             self.request_latency["prefill"].observe(req.prefill_time)
+            self.request_latency["inference"].observe(req.prefill_time + req.decode_time)
             self.request_latency["decode"].observe(req.decode_time)
             self.request_prompt_tokens.observe(req.num_prompt_tokens)
             self.request_generation_tokens.observe(req.num_generation_tokens)
@@ -204,9 +215,14 @@ class PrometheusStatLogger:
         self.spec_draft_tokens.inc(spec.num_draft_tokens)
         self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
         for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
-            self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(
-                count
-            )
+            self.spec_accepted_per_pos.labels(
+                model_name=self.model_name, engine=self.engine, position=str(pos)
+            ).inc(count)
+
+    def _success(self, reason: str) -> object:
+        return self.request_success.labels(
+            model_name=self.model_name, engine=self.engine, finished_reason=reason
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector in the registry."""

@@ -140,15 +140,24 @@ def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedM
 
 
 def cache_info(engine: AsyncLLMEngine) -> dict[str, str]:
-    """Labels of the cache_config_info gauge."""
-    cache = engine.engine.config.cache
-    return {
-        "block_size": str(cache.block_size),
-        "num_gpu_blocks": str(engine.engine.kv_cache.num_blocks),
-        "enable_prefix_caching": str(cache.enable_prefix_caching),
-        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
-        "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+    """Labels of the cache_config_info gauge, as the engine sized its cache.
+
+    ``num_gpu_blocks`` keeps vLLM's label name (dashboards read it) for the blocks on the
+    engine's device, whichever it is; ``kv_cache_memory_bytes`` is what one worker allocated.
+    ``gpu_memory_utilization`` only means something, and is only present, on CUDA.
+    """
+    config = engine.engine.config
+    kv = engine.engine.kv_cache
+    info = {
+        "block_size": str(kv.block_size),
+        "num_gpu_blocks": str(kv.num_blocks),
+        "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+        "device": config.device.device,
+        "kv_cache_memory_bytes": str(kv.num_blocks * kv.bytes_per_block),
     }
+    if config.device.device == "cuda":
+        info["gpu_memory_utilization"] = str(config.cache.gpu_memory_utilization)
+    return info
 
 
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
