@@ -332,6 +332,9 @@ class AsyncLLMEngine:
             )
             self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))
             return
+        lost = self.engine.executor.dead_error
+        if lost is not None:  # dead before any client hears of it: /health says so by then
+            self.dead_error = lost
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -342,6 +345,8 @@ class AsyncLLMEngine:
                 stream.put_threadsafe(EngineError(f"the request failed: {out.error}"))
             else:
                 stream.put_threadsafe(out)
+        if lost is not None:  # no step can run again: every later request would fail too
+            self._die(lost)
 
     def _fail_all(self, error: EngineError) -> None:
         """Fail and abort every in-flight request; a state that stays broken kills the engine."""

@@ -80,6 +80,12 @@ class Executor(ABC):
         """False on a process that only serves another process's engine (see run_worker)."""
         return True
 
+    @property
+    def dead_error(self) -> ExecutorLostError | None:
+        """What ended this executor for good (a tensor-parallel rank died): no later step can
+        run, so the engine above it is dead too. None while steps can run."""
+        return None
+
     def run_worker(self) -> None:
         """Serve the driver's steps until it stops (only where ``is_driver`` is False)."""
         raise NotImplementedError

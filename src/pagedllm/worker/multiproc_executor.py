@@ -222,6 +222,9 @@ class _LocalWorkers:
             proc.start()
             self.procs[rank] = proc
 
+    def describe(self) -> str:
+        return ", ".join(f"rank {rank} pid {proc.pid}" for rank, proc in self.procs.items())
+
     def dead(self, grace: float = 0.0) -> list[tuple[int, int | None, int | None]]:
         """(rank, pid, exit code) of workers that have exited, waiting up to grace seconds."""
         deadline = time.monotonic() + grace
@@ -293,6 +296,8 @@ class MultiprocExecutor(Executor):
         if store is not None:
             rdzv = dataclasses.replace(rdzv, port=store.port)  # port 0: the one the OS chose
         self._workers = _LocalWorkers(config, place, rdzv)
+        # An operator (or a test) that must stop one rank finds it here.
+        logger.info("tensor-parallel workers: %s", self._workers.describe())
         groups = None
         try:
             if store is not None:
@@ -364,6 +369,10 @@ class MultiprocExecutor(Executor):
             if isinstance(e, Exception):
                 raise self._error from e
             raise
+
+    @property
+    def dead_error(self) -> WorkerDiedError | None:
+        return getattr(self, "_error", None)  # a worker rank's executor has none
 
     @property
     def worker_pids(self) -> dict[int, int | None]:
