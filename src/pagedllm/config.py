@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.generation_config import generation_config_folder
+from pagedllm.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
@@ -147,6 +148,7 @@ class EngineConfig:
     device: DeviceConfig
     partition: PartitionConfig | None = None  # None: the whole model in this process
     speculative: SpeculativeConfig | None = None  # None: one token per step and sequence
+    kv_events: KVEventsConfig | None = None  # None: no KV-cache events published
 
 
 def default_model_path() -> str:
@@ -201,6 +203,7 @@ class EngineArgs:
     quant_observer: str = "minmax"
     quant_activation: bool = True
     speculative_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
+    kv_events_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
     generation_config: str = "auto"  # default sampling: "auto" (the model's), "pagedllm", a folder
 
     def create_engine_config(self) -> EngineConfig:
@@ -268,6 +271,7 @@ class EngineArgs:
             ),
             partition=self._partition_config(),
             speculative=speculative,
+            kv_events=parse_kv_events_config(self.kv_events_config),
         )
 
     def _speculative_config(self, hf_config: Any) -> SpeculativeConfig | None:

@@ -9,6 +9,9 @@ Free blocks sit in a doubly linked LRU queue. A freed block keeps its hash (it m
 again) and is evicted lazily, only when it is popped for reuse. A hit on a free block takes
 it out of the queue in O(1). Sequences free their blocks tail first, so the tail of a
 prefix, the part least likely to be shared, is evicted first.
+
+With ``events`` set (a KVEventLog), every change of the hash index is recorded for a
+prefix-aware router: blocks cached, evicted, all forgotten.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.sequence import Sequence
 
 
@@ -85,6 +89,7 @@ class BlockManager:
         self.hash_to_block: dict[int, Block] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which found in the cache
+        self.events: KVEventLog | None = None  # set to record KV-cache events
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -133,6 +138,7 @@ class BlockManager:
             return
         self.update_block_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        stored: list[int] = []  # indexes of the blocks cached by this call, for events
         for i in range(num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
@@ -144,6 +150,9 @@ class BlockManager:
             block.block_hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.hash_to_block[block_hash] = block
+            stored.append(i)
+        if stored and self.events is not None:
+            self.events.stored(seq.block_hashes, seq.token_ids, stored, self.block_size)
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[Block] = ()) -> bool:
@@ -199,6 +208,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = block.token_ids = None
         self.hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _touch(self, block: Block) -> None:
@@ -211,6 +222,8 @@ class BlockManager:
         if block.block_hash is not None:  # lazy eviction
             if self.hash_to_block.get(block.block_hash) is block:
                 del self.hash_to_block[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = block.token_ids = None
         return block
 

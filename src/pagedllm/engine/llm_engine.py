@@ -61,6 +61,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, RequestState] = {}
         self.stat_loggers: list[StatLogger] = []
+        self.kv_event_publisher = None
+        if config.kv_events is not None:  # a prefix-aware router follows the prefix cache
+            from pagedllm.metrics.kv_events import publisher_for
+
+            self.kv_event_publisher = publisher_for(config, self.block_manager)
+            self.add_stat_logger(self.kv_event_publisher)
         self._aborted_stats: list[FinishedRequestStats] = []  # recorded by the next step
         stop_ids = {self.eos_token_id, *self.extra_stop_ids} - {None}
         # Masks are filled in a thread during the forward only where the forward leaves the
@@ -514,4 +520,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.structured.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()

@@ -67,6 +67,9 @@ _ENGINE_FLAG_HELP = {
     "--no-quant-activation: weight-only",
     "speculative_config": "speculative decoding as JSON, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
+    "kv_events_config": "publish KV-cache events for prefix-aware routers, vLLM's JSON, e.g. "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+    '"replay_endpoint": "tcp://*:5558"}\'',
 }
 
 
