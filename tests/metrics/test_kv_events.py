@@ -1,7 +1,8 @@
 """KV-cache events reach a real ZeroMQ subscriber in vLLM's wire format: decoded with msgspec
-structs declared as vLLM declares them (array-like, tagged), the batches carry what the prefix
-cache gained (the prompt's full blocks, their hash chain), what it lost (evictions) and when
-it was cleared; the replay socket hands a late subscriber the same bytes."""
+structs declared as vLLM declares them (tagged events, an array-like batch), the batches
+carry what the prefix cache gained (the prompt's full blocks, their hash chain), what it
+lost (evictions) and when it was cleared; the replay socket hands a late subscriber the
+same bytes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ PROMPT = [(7 * i + 3) % 300 + 3 for i in range(70)]  # 4 full blocks of 16 and 6
 
 
 # ---- vLLM's structs, as a router declares them to decode the stream ------------------------
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -32,11 +33,15 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -144,7 +149,7 @@ def test_events_reach_a_subscriber_in_vllm_wire_format(engine) -> None:
         stored = sub.until(engine, lambda ev: any(isinstance(e, BlockStored) for e in ev))
         (event,) = [e for e in stored if isinstance(e, BlockStored)]
         assert event.token_ids == PROMPT[: 4 * BLOCK] and event.block_size == BLOCK
-        assert event.parent_block_hash is None and event.lora_id is None
+        assert event.parent_block_hash is None and event.lora_id is None is event.lora_name
         assert event.medium == "CPU"
         assert len(event.block_hashes) == 4 and len(set(event.block_hashes)) == 4
         assert all(0 <= h < 2**64 for h in event.block_hashes)

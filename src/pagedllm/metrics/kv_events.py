@@ -6,15 +6,20 @@ and queues them as one batch; a thread of its own encodes and sends it, so the s
 waits on a socket. A prefix-aware router (vllm-router's kv_aware policy, llm-d's KV indexer,
 Dynamo) subscribes and learns which replica holds which prefix.
 
-Wire format (vLLM's ``KVEventBatch`` encoded by msgspec with ``array_like=True``):
+Wire format (vLLM's ``KVEventBatch`` as msgspec encodes it since vLLM made its events tagged
+maps, vllm-project/vllm#42892; routers built for current vLLM, vllm-router among them, reject
+the older positional events):
 
 - a message is three frames: ``topic``, the batch's sequence number (8 bytes, big-endian,
   from 0), the msgpack payload;
-- the payload is ``[ts, [event, ...], data_parallel_rank]``;
-- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
-  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``; hashes are unsigned
-  64-bit integers (the engine's chained block hashes, taken modulo 2**64), ``lora_id`` is
-  None (no adapters), ``medium`` is where the blocks live ("GPU" on CUDA, "CPU" on the CPU).
+- the payload is the array ``[ts, [event, ...], data_parallel_rank]``;
+- each event is a map tagged by ``type``: ``{"type": "BlockStored", "block_hashes",
+  "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
+  ``{"type": "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``;
+  fields vLLM leaves out at their defaults (``extra_keys``, ``group_idx`` ...) are left out.
+  Hashes are unsigned 64-bit integers (the engine's chained block hashes modulo 2**64),
+  ``lora_id`` and ``lora_name`` are None (no adapters), ``medium`` is where the blocks live
+  ("GPU" on CUDA, "CPU" on the CPU).
 
 Replay: with ``replay_endpoint``, a ROUTER socket answers a request ``[b"", start_seq]``
 (8 bytes, big-endian) with every buffered batch from start_seq on, ``[b"", seq, payload]``
@@ -51,16 +56,25 @@ _U64 = (1 << 64) - 1
 _POLL_S = 0.05  # the thread's longest wait: how late a replay request may be answered
 
 
-def wire_event(event: KVCacheEvent, medium: str) -> list[Any]:
-    """One event as vLLM's array-like msgspec struct: its tag, then its fields in order."""
+def wire_event(event: KVCacheEvent, medium: str) -> dict[str, Any]:
+    """One event as vLLM's tagged msgspec struct: the tag under "type", then its fields."""
     if isinstance(event, BlockStored):
         parent = None if event.parent_block_hash is None else event.parent_block_hash & _U64
-        hashes = [h & _U64 for h in event.block_hashes]
-        return ["BlockStored", hashes, parent, event.token_ids, event.block_size, None, medium]
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h & _U64 for h in event.block_hashes],
+            "parent_block_hash": parent,
+            "token_ids": event.token_ids,
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        }
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", [h & _U64 for h in event.block_hashes], medium]
+        hashes = [h & _U64 for h in event.block_hashes]
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
     assert isinstance(event, AllBlocksCleared)
-    return ["AllBlocksCleared"]
+    return {"type": "AllBlocksCleared"}
 
 
 def encode_batch(
