@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = next((a for a in args if not a.startswith("-")), None)
     parser = build_parser(chosen if chosen in SUBCOMMANDS else None)
     ns, unknown = parser.parse_known_args(argv)
+    ns.raw_argv = list(args)  # what a command that starts others of itself passes on
     if unknown and not getattr(ns, "takes_any_args", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(ns, "func", None):

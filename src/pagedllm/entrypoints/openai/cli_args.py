@@ -87,11 +87,18 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         action="store_true",
         help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
     )
+    from pagedllm.entrypoints.data_parallel import add_data_parallel_args
+
+    add_data_parallel_args(server)
     p.set_defaults(func=_serve)
     return p
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    if ns.data_parallel_size != 1:  # N replicas behind a router, each a `serve` of its own
+        from pagedllm.entrypoints.data_parallel import run_data_parallel
+
+        return run_data_parallel(ns, ns.raw_argv[ns.raw_argv.index("serve") + 1 :])
     from pagedllm.entrypoints.openai.server import run_server
 
     args = engine_args_from(ns)
