@@ -64,6 +64,8 @@ def test_prometheus_logger_maps_engine_stats() -> None:
     assert value("vllm:request_prefill_time_seconds_sum", LABELS) == pytest.approx(0.4)
     assert value("vllm:request_decode_time_seconds_sum", LABELS) == pytest.approx(2.4)
     assert value("vllm:request_inference_time_seconds_sum", LABELS) == pytest.approx(2.8)
+    tpot = value("vllm:request_time_per_output_token_seconds_sum", LABELS)
+    assert tpot == pytest.approx(1.2 / 4 + 1.2 / 6)  # decode time over tokens after the first
     assert value("vllm:request_prompt_tokens_sum", LABELS) == 30
     assert value("vllm:request_generation_tokens_sum", LABELS) == 12
     assert value("vllm:request_prompt_tokens_bucket", {**LABELS, "le": "10.0"}) == 1

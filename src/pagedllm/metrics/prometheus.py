@@ -148,6 +148,12 @@ class PrometheusStatLogger:
         self.itl = h(
             Histogram, "inter_token_latency_seconds", "Inter-token latency.", buckets=ITL_BUCKETS
         )
+        self.tpot = h(
+            Histogram,
+            "request_time_per_output_token_seconds",
+            "Decode time of a finished request over its tokens after the first.",
+            buckets=ITL_BUCKETS,
+        )
         latency = {
             "e2e": ("e2e_request_latency_seconds", "End-to-end request latency."),
             "queue": ("request_queue_time_seconds", "Time in the waiting queue."),
@@ -207,6 +213,8 @@ class PrometheusStatLogger:
             self.request_latency["prefill"].observe(req.prefill_time)
             self.request_latency["inference"].observe(req.prefill_time + req.decode_time)
             self.request_latency["decode"].observe(req.decode_time)
+            if req.num_generation_tokens > 1:
+                self.tpot.observe(req.decode_time / (req.num_generation_tokens - 1))
             self.request_prompt_tokens.observe(req.num_prompt_tokens)
             self.request_generation_tokens.observe(req.num_generation_tokens)
 
