@@ -33,7 +33,10 @@ import pickle
 import random
 from typing import Any
 
-from ray import serve
+try:
+    from ray import serve
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError("pagedllm.ray needs Ray Serve: pip install 'pagedllm[ray]'") from e
 
 from pagedllm.config import EngineArgs
 
