@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from pagedllm.generation_config import generation_config_folder
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+_DTYPES = ("auto", *FLOAT_DTYPES, "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # for a config.json that names no architecture
 QUANT_METHOD = "pagedllm_int8"  # quantization_config.quant_method of a saved int8 checkpoint
@@ -74,7 +75,6 @@ class ModelConfig:
 
 
 # The shape facts of a Hugging Face config, written once; ModelConfig exposes them too.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def head_dim(hf_config: Any) -> int:
@@ -538,7 +538,7 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
         return aliases.get(dtype, dtype)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(config_dtype).replace("torch.", "") if config_dtype is not None else "float32"
-    if name not in ("float32", "bfloat16", "float16"):
+    if name not in FLOAT_DTYPES:
         return "float32"
     if device == "cpu" and name != "float32":
         # Half-precision matmuls are only fast with native CPU support (AVX512-BF16 / AMX);
