@@ -34,11 +34,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if (
-            not action.option_strings
-            or action.default in (None, False, argparse.SUPPRESS)
-            or "default" in text
-        ):
+        default = action.default
+        if not action.option_strings or "default:" in text:
+            return action.help
+        if default is None or default is False or default is argparse.SUPPRESS:
             return action.help
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
@@ -109,16 +108,24 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
     group.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-p", type=float, default=None, help="nucleus mass kept, in (0, 1]")
     group.add_argument("--top-k", type=int, default=None, help="0 = off")
-    group.add_argument("--min-p", type=float, default=None)
-    group.add_argument("--repetition-penalty", type=float, default=None)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below min-p x the top probability"
+    )
+    group.add_argument(
+        "--repetition-penalty", type=float, default=None, help="1 = off; > 1 repeats less"
+    )
+    group.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="> 0 favours tokens not seen yet"
+    )
+    group.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="> 0 penalises frequent tokens"
+    )
     group.add_argument("--n", type=int, default=1, help="samples per prompt")
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--ignore-eos", action="store_true", help="go on past the EOS token")
 
 
 # Without a flag or a generation_config.json value the command line decodes greedily.
@@ -164,25 +171,38 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+# Lines of `pagedllm chat` that end it instead of being sent to the model.
+CHAT_EXIT_COMMANDS = ("/exit", "/quit")
+
+
 def _chat(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     llm = LLM.from_engine_args(engine_args_from(ns))
     params = sampling_params_from(ns, llm.llm_engine.sampling_defaults)
+    _warm_up(llm)
     messages: list[dict[str, str]] = []
-    print("Chat: type a message, empty line or Ctrl-D to quit.")
+    print(f"Chat: type a message; {', '.join(CHAT_EXIT_COMMANDS)}, an empty line or Ctrl-D quit.")
     while True:
         try:
             user = input("you> ").strip()
         except EOFError:
             break
-        if not user:
+        if not user or user.lower() in CHAT_EXIT_COMMANDS:
             break
         messages.append({"role": "user", "content": user})
         reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        print(f"assistant> {reply.strip()}")
+        print(f"assistant> {reply.strip()}", flush=True)
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _warm_up(llm: Any) -> None:
+    """A prefill and a decode step before the first prompt: what loads on first use (C++
+    kernels, tuned tiles) loads and logs now, not between the user's line and the reply."""
+    from pagedllm.sampling_params import SamplingParams
+
+    llm.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -207,7 +227,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with `only`, the other subcommands' modules are not imported (start-up)."""
+    """The parser; with `only`, the other subcommands' modules are not imported (start-up):
+    only="" imports none of them (the command's own help lists them by name)."""
     parser = ArgumentParser(
         prog="pagedllm", description="pagedllm: LLM inference and serving engine."
     )
@@ -257,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in args if not a.startswith("-")), None)
-    parser = build_parser(chosen if chosen in SUBCOMMANDS else None)
+    # `pagedllm --help` (no subcommand) needs no subcommand's module: none loads torch.
+    parser = build_parser(chosen if chosen in SUBCOMMANDS else "")
     ns, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(ns, "takes_any_args", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
