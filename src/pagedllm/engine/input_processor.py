@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sequence import Sequence
-from pagedllm.engine.tokenizer import encode_text
+from pagedllm.engine.tokenizer import encode_text, stop_token_ids_from_generation_config
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -39,17 +39,22 @@ class InputProcessor:
     """Turns (request_id, prompt, params) into sequences; ValueError, naming the field, for
     anything that would otherwise fail a model step later."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        tokenizer: Any,
-        structured: StructuredOutputManager,
-        extra_stop_ids: set[int],
-    ) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.structured = structured
-        self.extra_stop_ids = extra_stop_ids  # stop ids of generation_config.json
+        # stop ids of generation_config.json, beside the tokenizer's EOS
+        self.extra_stop_ids = stop_token_ids_from_generation_config(config.model.model)
+        stop_ids = {self.eos_token_id, *self.extra_stop_ids} - {None}
+        # Grammars compile here; the engine's loop fills and advances their masks. Masks are
+        # filled in a thread during the forward only where the forward leaves the CPU free
+        # (CUDA); on the CPU the thread costs more than the fill (benchmarks/results/
+        # structured.md), so the fill runs on the engine thread.
+        self.structured = StructuredOutputManager(
+            tokenizer,
+            config.model.hf_config.vocab_size,
+            sorted(stop_ids),
+            overlap=config.device.device != "cpu",
+        )
         self._seq_ids = itertools.count()
 
     @property

@@ -23,10 +23,9 @@ from pagedllm.core.stats import FinishedRequestStats, IterationStats, SchedulerS
 from pagedllm.engine.input_processor import MAX_N, InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_state import RequestState
-from pagedllm.engine.tokenizer import load_tokenizer, stop_token_ids_from_generation_config
+from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.generation_config import read_sampling_defaults
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.executor import ExecutorLostError, create_executor
 from pagedllm.worker.model_runner import ModelOutput
 
@@ -40,7 +39,6 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
-        extra_stop_ids = stop_token_ids_from_generation_config(config.model.model)
         # request defaults from generation_config.json, as vLLM's --generation-config auto
         self.sampling_defaults = read_sampling_defaults(config.model.generation_config)
         self.executor = create_executor(config)
@@ -52,19 +50,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.stat_loggers: list[StatLogger] = []
         self._aborted_stats: list[FinishedRequestStats] = []  # recorded by the next step
-        stop_ids = {self.eos_token_id, *extra_stop_ids} - {None}
-        # Masks are filled in a thread during the forward only where the forward leaves the
-        # CPU free (CUDA); on the CPU the thread costs more than the fill (benchmarks/
-        # results/structured.md), so the fill runs on the engine thread.
-        self.structured = StructuredOutputManager(
-            self.tokenizer,
-            config.model.hf_config.vocab_size,
-            sorted(stop_ids),
-            overlap=config.device.device != "cpu",
-        )
-        self.input_processor = InputProcessor(
-            config, self.tokenizer, self.structured, extra_stop_ids
-        )
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.structured = self.input_processor.structured  # its masks are the loop's business
         self.output_processor = OutputProcessor(
             self.tokenizer, self.scheduler.finish, speculative=config.speculative is not None
         )
@@ -234,22 +221,17 @@ class LLMEngine:
     def _lost(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
         """The executor lost the KV state of the running sequences (and the steps in
         flight). If it can go on in another layout (a split running every layer locally
-        after its link was lost), they are recomputed there; otherwise their requests fail."""
+        after its link was lost), they are recomputed there; otherwise their requests end
+        with finish_reason "error" and the prefix cache forgets the blocks built on them."""
         self._in_flight.clear()
         if self.executor.repartition_pending:
             logger.warning("model execution lost its state (%s); recomputing instead", message)
             self._repartition()
             self._record(iteration)
             return []
-        return self._fail_running(message, iteration)
-
-    def _fail_running(self, message: str, iteration: IterationStats) -> list[RequestOutput]:
-        """The executor lost the KV state of every running sequence: end their requests with
-        finish_reason "error", free their blocks and forget the prefix cache built on them."""
         logger.error("model execution lost its state: %s", message)
-        outputs = self._fail_requests(
-            {s.request_id for s in self.scheduler.running}, message, iteration
-        )
+        running = {s.request_id for s in self.scheduler.running}
+        outputs = self._fail_requests(running, message, iteration)
         self.block_manager.reset_prefix_cache()  # nothing holds blocks now
         return outputs
 
