@@ -51,3 +51,21 @@ def test_a_stop_string_before_a_length_end_of_the_same_step_wins() -> None:
     sched.add(Sequence(1, "r1", 0, [4, 5], SamplingParams(max_tokens=2), None))
     assert sched.schedule().finished_seq_ids == [0]
     sched.check_integrity()
+
+
+def test_only_the_scheduler_writes_a_sequence_status() -> None:
+    """Nothing outside core/scheduler.py ends (or otherwise moves) a sequence by writing its
+    status: the scheduler would keep it queued and its blocks allocated."""
+    import re
+    from pathlib import Path
+
+    import pagedllm
+
+    root = Path(pagedllm.__file__).parent
+    writers = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path != root / "core" / "scheduler.py"
+        and re.search(r"seq\.status\s*=(?!=)", path.read_text())
+    ]
+    assert writers == []
