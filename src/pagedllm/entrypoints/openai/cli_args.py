@@ -45,6 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own log level",
     )
     server.add_argument(
         "--api-key",
