@@ -43,6 +43,8 @@ def test_partition_config_is_one_dict_with_the_plain_defaults(tiny_llama):
         ({"plan": "p.json", "depth": 2}, r"unknown keys \['depth'\]"),
         ({"address": "h:1"}, "partition_config.plan"),
         ({"plan": "p.json", "role": "middle"}, "partition_config.role"),
+        ({"plan": "p.json", "role": 2}, "partition_config.role"),
+        ({"plan": "p.json", "address": 7000}, "partition_config.address"),
         ({"plan": "p.json", "pipeline_depth": 0}, "partition_config.pipeline_depth"),
         ({"plan": "p.json", "replan_interval": -1}, "partition_config.replan_interval"),
         ({"plan": "p.json", "fallback": "retry"}, "partition_config.fallback"),

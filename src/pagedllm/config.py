@@ -153,11 +153,14 @@ def parse_partition_config(raw: dict[str, Any] | None) -> PartitionConfig | None
         raise ValueError("partition_config.plan (the partition plan's JSON file) is required.")
     config = PartitionConfig(**raw)
     role = config.role
-    if role not in ("edge", "cloud") and not (role[:4] == "tier" and role[4:].isdigit()):
+    tier = isinstance(role, str) and role[:4] == "tier" and role[4:].isdigit()
+    if role not in ("edge", "cloud") and not tier:
         raise ValueError(
             f"partition_config.role must be 'edge', 'cloud' or 'tierN' (a tier in between), "
             f"got {role!r}."
         )
+    if config.address is not None and not isinstance(config.address, str):
+        raise ValueError(f"partition_config.address must be HOST:PORT, got {config.address!r}.")
     for key, low in (("pipeline_depth", 1), ("replan_interval", 0)):
         value = getattr(config, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -197,7 +200,7 @@ def _merge_deprecated_partition_fields(args: EngineArgs) -> dict[str, Any] | Non
         return raw
     names = [n for n, key in DEPRECATED_PARTITION_FIELDS.items() if key in old]
     warnings.warn(
-        f"EngineArgs {', '.join(names)} are deprecated and will be removed in the next "
+        f"the EngineArgs fields {', '.join(names)} are deprecated and will be removed in the next "
         f"release; pass partition_config={{{', '.join(repr(k) + ': ...' for k in old)}}}.",
         DeprecationWarning,
         stacklevel=4,
