@@ -305,9 +305,9 @@ def split_engine(model, graph, devices, cut, cloud_t, net, out, args):
     engine = None
     try:
         # each cut is measured where it is: no re-planning while the benchmark runs
-        split = engine_args(model, 1, args.context_len, partition=str(plan_file),
-                            partition_address=worker.address,
-                            partition_replan_interval=0)  # fmt: skip
+        split = engine_args(model, 1, args.context_len, partition_config={
+            "plan": str(plan_file), "address": worker.address, "replan_interval": 0,
+        })  # fmt: skip
         engine = LLMEngine.from_engine_args(split, skip_tokenizer_init=True)
         yield engine, worker
     finally:

@@ -18,7 +18,7 @@ _EXPORTS = {
     "LLMEngine": "pagedllm.engine.llm_engine",
     "AsyncLLMEngine": "pagedllm.engine.async_engine",
     "SamplingParams": "pagedllm.sampling_params",
-    "StructuredOutputsParams": "pagedllm.structured_output.params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.core.outputs",
     "CompletionOutput": "pagedllm.core.outputs",
     "Logprob": "pagedllm.core.outputs",
@@ -47,5 +47,4 @@ if TYPE_CHECKING:
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
-    from pagedllm.structured_output.params import StructuredOutputsParams
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from pagedllm.generation_config import generation_config_folder
 from pagedllm.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+_DTYPES = ("auto", *FLOAT_DTYPES, "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # for a config.json that names no architecture
 QUANT_METHOD = "pagedllm_int8"  # quantization_config.quant_method of a saved int8 checkpoint
@@ -73,7 +76,6 @@ class ModelConfig:
 
 
 # The shape facts of a Hugging Face config, written once; ModelConfig exposes them too.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def head_dim(hf_config: Any) -> int:
@@ -132,11 +134,81 @@ class PartitionConfig:
     read by pagedllm.partition (the split executor / cloud worker), not here."""
 
     plan: str  # path of the PartitionPlan JSON
-    role: str  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest + head)
-    address: str | None  # edge: the cloud worker's host:port; cloud: where to listen
+    role: str = "edge"  # "edge" (embedding, layers [0, cut), the engine) | "cloud" (the rest)
+    address: str | None = None  # edge: the cloud worker's host:port; cloud: where to listen
     pipeline_depth: int = 1  # edge: engine steps (micro-batches) in flight across the tiers
     replan_interval: int = 64  # edge: steps between re-plans from measurements (0: never)
     fallback: str = "fail"  # edge, a lost link: "fail" the running requests | run them "local"
+
+
+def parse_partition_config(raw: dict[str, Any] | None) -> PartitionConfig | None:
+    """EngineArgs.partition_config (a dict) as a PartitionConfig; ValueError names the key."""
+    if raw is None:
+        return None
+    unknown = sorted(set(raw) - set(_PARTITION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"partition_config has unknown keys {unknown}; known: {list(_PARTITION_KEYS)}."
+        )
+    if not isinstance(raw.get("plan"), str) or not raw["plan"]:
+        raise ValueError("partition_config.plan (the partition plan's JSON file) is required.")
+    config = PartitionConfig(**raw)
+    role = config.role
+    tier = isinstance(role, str) and role[:4] == "tier" and role[4:].isdigit()
+    if role not in ("edge", "cloud") and not tier:
+        raise ValueError(
+            f"partition_config.role must be 'edge', 'cloud' or 'tierN' (a tier in between), "
+            f"got {role!r}."
+        )
+    if config.address is not None and not isinstance(config.address, str):
+        raise ValueError(f"partition_config.address must be HOST:PORT, got {config.address!r}.")
+    for key, low in (("pipeline_depth", 1), ("replan_interval", 0)):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"partition_config.{key} must be an integer >= {low}, got {value!r}.")
+    if config.fallback not in ("fail", "local"):
+        raise ValueError(
+            f"partition_config.fallback must be 'fail' or 'local', got {config.fallback!r}."
+        )
+    return config
+
+
+_PARTITION_KEYS = tuple(f.name for f in dataclasses.fields(PartitionConfig))
+
+
+def partition_config_dict(raw: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """partition_config as given (a dict or its JSON text) as a dict; ValueError."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"partition_config is not valid JSON: {e}") from e
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"partition_config must be a dict, got {type(raw).__name__}.")
+    return raw
+
+
+def _merge_deprecated_partition_fields(args: EngineArgs) -> dict[str, Any] | None:
+    """partition_config as a dict (parsed from JSON text), with the deprecated partition_*
+    fields moved into it (each then None, so dataclasses.replace sees them once)."""
+    raw = partition_config_dict(args.partition_config)
+    old = {
+        key: getattr(args, name)
+        for name, key in DEPRECATED_PARTITION_FIELDS.items()
+        if getattr(args, name) is not None
+    }
+    if not old:
+        return raw
+    names = [n for n, key in DEPRECATED_PARTITION_FIELDS.items() if key in old]
+    warnings.warn(
+        f"the EngineArgs fields {', '.join(names)} are deprecated and will be removed in the next "
+        f"release; pass partition_config={{{', '.join(repr(k) + ': ...' for k in old)}}}.",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    for name in names:
+        setattr(args, name, None)
+    return {**old, **(raw or {})}
 
 
 @dataclass(frozen=True)
@@ -164,47 +236,132 @@ def default_model_path() -> str:
     return str(here.parents[2] / "models" / "pagedllm-demo")
 
 
+def _arg(default: Any = None, help: str = "", **kwargs: Any) -> Any:
+    """An EngineArgs field and its command-line help (the CLI reads metadata["help"])."""
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+# EngineArgs fields replaced by partition_config: field -> its key there. Accepted (with a
+# DeprecationWarning) for one release.
+DEPRECATED_PARTITION_FIELDS = {
+    "partition": "plan",
+    "partition_role": "role",
+    "partition_address": "address",
+    "partition_pipeline_depth": "pipeline_depth",
+    "partition_replan_interval": "replan_interval",
+    "partition_fallback": "fallback",
+}
+
+
 @dataclass
 class EngineArgs:
-    """Arguments of an LLMEngine, named and defaulted as vLLM's EngineArgs."""
+    """Arguments of an LLMEngine, named and defaulted as vLLM's EngineArgs. Each field's
+    metadata["help"] is its command-line help (``--block-size`` for block_size ...)."""
 
-    model: str = field(default_factory=default_model_path)
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
+    model: str = field(
+        default_factory=default_model_path,
+        metadata={"help": "local Hugging Face model folder (default: the bundled demo model)"},
+    )
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
+    dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16")
+    seed: int = _arg(0, "random seed")
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output, in tokens (default: the model's)"
+    )
+    block_size: int = _arg(16, "tokens per KV-cache block")
+    max_num_seqs: int = _arg(256, "most sequences in one batch")
     # Tokens computed per step. A value below max_num_seqs also caps the batch at that many
     # sequences (each running sequence decodes one token a step), so prompts really chunk.
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = False
-    quantization: str | None = None
-    device: str = "auto"
-    attention_backend: str | None = None
-    disable_comm_overlap: bool = False
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int = 0
-    partition: str | None = None  # PartitionPlan JSON: run one tier of an edge/cloud split
-    partition_role: str = "edge"
-    partition_address: str | None = None
-    partition_pipeline_depth: int = 1
-    partition_replan_interval: int = 64
-    partition_fallback: str = "fail"
-    quant_exclude: list[str] | None = None  # module names / patterns left unquantized
-    quant_granularity: str = "per_channel"
-    quant_observer: str = "minmax"
-    quant_activation: bool = True
-    speculative_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
-    kv_events_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
-    generation_config: str = "auto"  # default sampling: "auto" (the model's), "pagedllm", a folder
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        "most tokens computed in one step (below max_num_seqs, also the most sequences in "
+        "one batch; default: 2048)",
+    )
+    gpu_memory_utilization: float = _arg(0.9, "share of GPU memory to use (CUDA)")
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "KV-cache budget in bytes (CPU default: 4 GiB, at most 40%% of free RAM)"
+    )
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _arg(
+        True, "split long prompts into chunks that share steps with decode"
+    )
+    tensor_parallel_size: int = _arg(1, "number of tensor-parallel workers")
+    enforce_eager: bool = _arg(False, "never capture CUDA graphs (run every step eagerly)")
+    quantization: str | None = _arg(None, "None | int8")
+    device: str = _arg("auto", "auto | cpu | cuda")
+    attention_backend: str | None = _arg(
+        None, "torch | cpu | triton (default: chosen for the device)"
+    )
+    disable_comm_overlap: bool = _arg(
+        False, "do not overlap tensor-parallel all-reduce with compute"
+    )
+    nnodes: int = _arg(1, "machines the tensor-parallel ranks span (each runs this command)")
+    node_rank: int = _arg(0, "this machine's index among --nnodes; node 0 runs the engine")
+    master_addr: str | None = _arg(
+        None, "rendezvous host, node 0's address (default: MASTER_ADDR or 127.0.0.1)"
+    )
+    master_port: int = _arg(0, "rendezvous port (0: MASTER_PORT, else a free port on one node)")
+    partition_config: dict[str, Any] | str | None = _arg(
+        None,
+        "run one tier of an edge/cloud split, as JSON: plan (the plan file of `pagedllm "
+        "partition -o`), role (edge | cloud | tierN), address, pipeline_depth, "
+        "replan_interval, fallback (fail | local); the --partition-* flags set the same keys",
+    )
+    # Deprecated: one key of partition_config each (DEPRECATED_PARTITION_FIELDS).
+    partition: str | None = _arg(
+        None, "partition plan JSON (pagedllm partition -o): run one tier of a split"
+    )
+    partition_role: str | None = _arg(
+        None, "edge (the engine, embedding and layers [0, cut)) | cloud (the rest) (default: edge)"
+    )
+    partition_address: str | None = _arg(
+        None, "edge: the cloud worker's HOST:PORT; cloud: HOST:PORT to listen on"
+    )
+    partition_pipeline_depth: int | None = _arg(
+        None, "edge: micro-batches in flight across the tiers (default: 1, none)"
+    )
+    partition_replan_interval: int | None = _arg(
+        None,
+        "edge: steps between re-planning the cut from what the split measures, moving it "
+        "when the optimum moves (0: never; default: 64)",
+    )
+    partition_fallback: str | None = _arg(
+        None,
+        "edge, when the link to the cloud is lost: fail (the running requests end with an "
+        "error) | local (every layer runs here until the link returns) (default: fail)",
+    )
+    quant_exclude: list[str] | None = _arg(
+        None,
+        "int8: module name or pattern kept in full precision, e.g. lm_head, "
+        "'*.self_attn.*' (repeatable)",
+    )
+    quant_granularity: str = _arg("per_channel", "int8 weight scales: per_channel | per_tensor")
+    quant_observer: str = _arg(
+        "minmax", "int8 activation scales: minmax (per token) | moving_average"
+    )
+    quant_activation: bool = _arg(
+        True,
+        "int8: quantize activations too (int8 x int8 matmuls); --no-quant-activation: weight-only",
+    )
+    speculative_config: dict[str, Any] | str | None = _arg(
+        None,
+        "speculative decoding as JSON, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
+    )
+    kv_events_config: dict[str, Any] | str | None = _arg(
+        None,
+        "publish KV-cache events for prefix-aware routers, vLLM's JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
+    )
+    generation_config: str = _arg(
+        "auto",
+        "default sampling parameters: auto (the model folder's generation_config.json), "
+        "pagedllm (the SamplingParams defaults) or a folder holding a generation_config.json",
+    )
+
+    def __post_init__(self) -> None:
+        self.partition_config = _merge_deprecated_partition_fields(self)
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -269,7 +426,7 @@ class EngineArgs:
                 self.enforce_eager,
                 self.attention_backend or envs.PAGEDLLM_ATTENTION_BACKEND(),
             ),
-            partition=self._partition_config(),
+            partition=parse_partition_config(self.partition_config),
             speculative=speculative,
             kv_events=parse_kv_events_config(self.kv_events_config),
         )
@@ -278,7 +435,7 @@ class EngineArgs:
         spec = parse_speculative_config(self.speculative_config)
         if spec is None:
             return None
-        if self.partition is not None:
+        if self.partition_config is not None:
             raise ValueError("speculative_config is not supported with an edge/cloud partition.")
         if spec.method == "draft_model":
             if self.tensor_parallel_size > 1:
@@ -292,37 +449,6 @@ class EngineArgs:
                     f"target model {hf_config.vocab_size}: they must share one tokenizer."
                 )
         return spec
-
-    def _partition_config(self) -> PartitionConfig | None:
-        if self.partition is None:
-            return None
-        role = self.partition_role
-        if role not in ("edge", "cloud") and not (role[:4] == "tier" and role[4:].isdigit()):
-            raise ValueError(
-                f"partition_role must be 'edge', 'cloud' or 'tierN' (a tier in between), "
-                f"got {role!r}."
-            )
-        if self.partition_pipeline_depth < 1:
-            raise ValueError(
-                f"partition_pipeline_depth must be at least 1, got {self.partition_pipeline_depth}."
-            )
-        if self.partition_replan_interval < 0:
-            raise ValueError(
-                "partition_replan_interval must be 0 (never) or a number of steps, got "
-                f"{self.partition_replan_interval}."
-            )
-        if self.partition_fallback not in ("fail", "local"):
-            raise ValueError(
-                f"partition_fallback must be 'fail' or 'local', got {self.partition_fallback!r}."
-            )
-        return PartitionConfig(
-            self.partition,
-            self.partition_role,
-            self.partition_address,
-            self.partition_pipeline_depth,
-            self.partition_replan_interval,
-            self.partition_fallback,
-        )
 
     def _verify(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -424,7 +550,7 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
         return aliases.get(dtype, dtype)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(config_dtype).replace("torch.", "") if config_dtype is not None else "float32"
-    if name not in ("float32", "bfloat16", "float16"):
+    if name not in FLOAT_DTYPES:
         return "float32"
     if device == "cpu" and name != "float32":
         # Half-precision matmuls are only fast with native CPU support (AVX512-BF16 / AMX);

@@ -42,7 +42,7 @@ def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
         blocks = int(re.search(r"KV cache\s+(\d+) blocks x 16 tokens = (\d+) tokens", banner)[1])
         assert blocks > 0
         # 256-token requests need 16 blocks each.
-        assert f"{blocks / 16:.2f} requests at max_model_len 256" in banner
+        assert f"concurrency  {blocks / 16:.2f}x  (requests of max_model_len 256 " in banner
         assert f"metrics      {url}/metrics" in banner
         wait_healthy(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

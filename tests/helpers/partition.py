@@ -102,9 +102,7 @@ def inprocess_cloud(
     or with role "tierN" and next_address a tier in between."""
     args = EngineArgs(
         model=str(model_dir),
-        partition=str(plan),
-        partition_role=role,
-        partition_address=address,
+        partition_config={"plan": str(plan), "role": role, "address": address},
         dtype="float32",
         block_size=4,
         kv_cache_memory_bytes=1 << 20,

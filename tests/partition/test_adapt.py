@@ -86,7 +86,9 @@ def test_the_running_split_measures_the_emulated_delay_as_it_changes(model_facto
     plan = make_plan(model, 2, tmp_path / "plan.json")
     with emulated_link(model, plan, rtt_ms=2) as link:
         args = EngineArgs(
-            model=str(model), partition=str(plan), partition_address=link.address, **ENGINE
+            model=str(model),
+            partition_config={"plan": str(plan), "address": link.address},
+            **ENGINE,
         )
         engine = LLMEngine.from_engine_args(args)
         monitor = engine.executor.monitor
@@ -163,9 +165,11 @@ def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, t
         with DelayProxy(server.address, rtt_ms=1.0) as proxy:
             args = EngineArgs(
                 model=str(model),
-                partition=str(tmp_path / "plan.json"),
-                partition_address=proxy.address,
-                partition_replan_interval=8,
+                partition_config={
+                    "plan": str(tmp_path / "plan.json"),
+                    "address": proxy.address,
+                    "replan_interval": 8,
+                },
                 **ENGINE,
             )
             engine = LLMEngine.from_engine_args(args)
@@ -234,9 +238,11 @@ def _forced_moves(model, plan, cuts_at: dict[int, int], depth: int = 1):
     with inprocess_cloud(model, plan) as (cloud, server):
         args = EngineArgs(
             model=str(model),
-            partition=str(plan),
-            partition_address=server.address,
-            partition_pipeline_depth=depth,
+            partition_config={
+                "plan": str(plan),
+                "address": server.address,
+                "pipeline_depth": depth,
+            },
             enable_prefix_caching=True,
             max_num_batched_tokens=16,  # prompts in chunks, batched with decodes
             **ENGINE,

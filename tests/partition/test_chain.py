@@ -31,8 +31,7 @@ def test_three_tier_chain_matches_hf(model_factory, tmp_path):
             assert gateway.tier.layers == (1, 3)
             llm = LLM(
                 str(model),
-                partition=str(plan),
-                partition_address=server.address,
+                partition_config={"plan": str(plan), "address": server.address},
                 max_num_batched_tokens=16,  # chunked prefill crosses both links too
                 **ENGINE,
             )
@@ -48,10 +47,14 @@ def test_three_tier_chain_matches_hf(model_factory, tmp_path):
 def test_a_tier_in_between_needs_the_next_address(model_factory, tmp_path):
     model = model_factory("llama", num_hidden_layers=4)
     plan = make_plan(model, [1, 3], tmp_path / "plan.json")
-    args = EngineArgs(model=str(model), partition=str(plan), partition_role="tier1", **ENGINE)
+    args = EngineArgs(
+        model=str(model), partition_config={"plan": str(plan), "role": "tier1"}, **ENGINE
+    )
     with pytest.raises(ValueError, match="next tier's address"):
         CloudWorker(args.create_engine_config())
-    bad = EngineArgs(model=str(model), partition=str(plan), partition_role="tier5", **ENGINE)
+    bad = EngineArgs(
+        model=str(model), partition_config={"plan": str(plan), "role": "tier5"}, **ENGINE
+    )
     with pytest.raises(ValueError, match="not a tier"):
         CloudWorker(bad.create_engine_config())
 
@@ -72,9 +75,11 @@ def test_a_pipelined_chain_overlaps_at_the_tier_in_between(model_factory, tmp_pa
         ):
             llm = LLM(
                 str(model),
-                partition=str(plan),
-                partition_address=server.address,
-                partition_pipeline_depth=2,
+                partition_config={
+                    "plan": str(plan),
+                    "address": server.address,
+                    "pipeline_depth": 2,
+                },
                 **ENGINE,
             )
             outs = llm.generate(prompts, greedy, use_tqdm=False)

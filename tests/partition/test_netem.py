@@ -86,7 +86,9 @@ def test_link_lost_mid_stream_fails_in_flight_requests_and_recovers(
     plan = make_plan(model, 2, tmp_path / "plan.json")
     with emulated_link(model, plan, rtt_ms=1) as link:
         args = EngineArgs(
-            model=str(model), partition=str(plan), partition_address=link.address, **ENGINE
+            model=str(model),
+            partition_config={"plan": str(plan), "address": link.address},
+            **ENGINE,
         )
         engine = LLMEngine.from_engine_args(args)
         long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
@@ -123,7 +125,7 @@ def test_link_lost_mid_stream_fails_in_flight_requests_and_recovers(
 def test_link_lost_mid_stream_with_local_fallback_finishes_every_request(
     model_factory, tmp_path, monkeypatch
 ):
-    """partition_fallback="local": when the proxy drops everything, the edge loads every
+    """partition_config={"fallback": "local": when the proxy drops everything}, the edge loads every
     layer, recomputes the running sequences and goes on; when the link returns it opens a
     new session and the split resumes. No request fails, and the tokens are HF's."""
     monkeypatch.setenv("PAGEDLLM_SPLIT_REPLY_TIMEOUT", "3")
@@ -134,9 +136,7 @@ def test_link_lost_mid_stream_with_local_fallback_finishes_every_request(
     with emulated_link(model, plan, rtt_ms=1) as link:
         args = EngineArgs(
             model=str(model),
-            partition=str(plan),
-            partition_address=link.address,
-            partition_fallback="local",
+            partition_config={"plan": str(plan), "address": link.address, "fallback": "local"},
             **ENGINE,
         )
         engine = LLMEngine.from_engine_args(args)

@@ -25,9 +25,7 @@ def test_pipelined_split_matches_hf_with_two_micro_batches_in_flight(model_facto
     with inprocess_cloud(model, plan) as (cloud, server):
         llm = LLM(
             str(model),
-            partition=str(plan),
-            partition_address=server.address,
-            partition_pipeline_depth=2,
+            partition_config={"plan": str(plan), "address": server.address, "pipeline_depth": 2},
             max_num_batched_tokens=32,  # chunks some prompts, so prefill and decode mix
             **ENGINE,
         )

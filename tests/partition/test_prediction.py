@@ -93,8 +93,7 @@ def test_predicted_latency_within_bound_at_every_cut(model_factory, tmp_path):
                 engines[cut] = LLMEngine.from_engine_args(
                     EngineArgs(
                         model=str(model),
-                        partition=str(plan),
-                        partition_address=link.address,
+                        partition_config={"plan": str(plan), "address": link.address},
                         max_num_seqs=BATCH,
                         **ENGINE,
                     )

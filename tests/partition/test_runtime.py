@@ -77,7 +77,7 @@ def test_split_matches_unsplit_and_hf(deep_llama, reference, cut_workers, cut):
     engine = dict(ENGINE, max_num_batched_tokens=16, max_num_seqs=4)
     unsplit = generate(LLM(str(deep_llama), **engine), prompts, GREEDY)
     split_llm = LLM(
-        str(deep_llama), partition=str(plan), partition_address=worker.address, **engine
+        str(deep_llama), partition_config={"plan": str(plan), "address": worker.address}, **engine
     )
     assert generate(split_llm, prompts, GREEDY) == unsplit == hf
     # Again: the shared prefix now comes from the prefix cache on both tiers.
@@ -98,7 +98,9 @@ def test_tied_embeddings_and_seeded_sampling(model_factory, tmp_path):
     ]
     unsplit = LLM(str(model), **ENGINE).generate(prompts, params, use_tqdm=False)
     with inprocess_cloud(model, plan) as (_, server):
-        split_llm = LLM(str(model), partition=str(plan), partition_address=server.address, **ENGINE)
+        split_llm = LLM(
+            str(model), partition_config={"plan": str(plan), "address": server.address}, **ENGINE
+        )
         split = split_llm.generate(prompts, params, use_tqdm=False)
         greedy = generate(split_llm, prompts[:2], GREEDY)
     for a, b in zip(unsplit, split):
@@ -125,7 +127,9 @@ def test_lost_cloud_fails_requests_and_frees_blocks(deep_llama, workers, tmp_pat
     plan = make_plan(deep_llama, 2, tmp_path / "plan.json")
     worker = workers(deep_llama, plan)  # its own: this test kills it
     args = EngineArgs(
-        model=str(deep_llama), partition=str(plan), partition_address=worker.address, **ENGINE
+        model=str(deep_llama),
+        partition_config={"plan": str(plan), "address": worker.address},
+        **ENGINE,
     )
     engine = LLMEngine.from_engine_args(args)
     long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
@@ -158,7 +162,9 @@ def test_cloud_forgets_an_edge_that_leaves_and_serves_one_at_a_time(deep_llama, 
     plan = make_plan(deep_llama, 1, tmp_path / "plan.json")
     with inprocess_cloud(deep_llama, plan) as (cloud, server):
         edge_args = EngineArgs(
-            model=str(deep_llama), partition=str(plan), partition_address=server.address, **ENGINE
+            model=str(deep_llama),
+            partition_config={"plan": str(plan), "address": server.address},
+            **ENGINE,
         )
         edge = LLMEngine.from_engine_args(edge_args)
         edge.add_request("a", [4, 5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True))
@@ -185,8 +191,7 @@ def test_edge_serves_the_openai_api_and_reports_a_lost_cloud(deep_llama, tmp_pat
     with inprocess_cloud(deep_llama, plan) as (_, cloud_server):
         args = EngineArgs(
             model=str(deep_llama),
-            partition=str(plan),
-            partition_address=cloud_server.address,
+            partition_config={"plan": str(plan), "address": cloud_server.address},
             **ENGINE,
         )
         app = build_app(args, ["split"], log_stats_interval=None)
@@ -206,7 +211,7 @@ def test_preemption_on_a_small_cache_matches_hf(deep_llama, reference, cut_worke
     # 24 blocks of 4 tokens cannot hold six sequences of up to 38 tokens at once.
     engine = dict(ENGINE, kv_cache_memory_bytes=24 * 2048)  # edge: 2 layers x 2048 B/block
     split_llm = LLM(
-        str(deep_llama), partition=str(plan), partition_address=worker.address, **engine
+        str(deep_llama), partition_config={"plan": str(plan), "address": worker.address}, **engine
     )
     assert split_llm.llm_engine.block_manager.num_blocks == 24
     assert generate(split_llm, prompts, GREEDY) == hf
@@ -219,7 +224,7 @@ def test_int8_wire_runs_end_to_end(deep_llama, reference, cut_workers, tmp_path)
     _, worker = cut_workers[2]
     plan = make_plan(deep_llama, 2, tmp_path / "int8.json", wire_dtype="int8")
     split_llm = LLM(
-        str(deep_llama), partition=str(plan), partition_address=worker.address, **ENGINE
+        str(deep_llama), partition_config={"plan": str(plan), "address": worker.address}, **ENGINE
     )
     got = generate(split_llm, prompts, GREEDY)
     # int8 rounding may flip a near-tie now and then; here it changes almost nothing

@@ -15,12 +15,14 @@ moves back to them and the blocks past them are freed (see ``update``).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import Sequence, SequenceStatus
+from pagedllm.core.stats import SchedulerStats
 
 if TYPE_CHECKING:  # the config module may import torch (device detection); core never does
     from pagedllm.config import SchedulerConfig
@@ -88,11 +90,21 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End seq (stopped, aborted ...) wherever it is, and release its blocks."""
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | None = None) -> None:
+        """End seq wherever it is and release its blocks. Every end of a sequence comes
+        through here: token-level stops (``update``), a grammar's end, stop strings (with
+        the string as ``stop_reason``), aborts and errors.
+
+        A sequence that has ended already keeps its end, except for a stop string: it is
+        found in the text after the step's tokens ended the sequence (at EOS, a stop token
+        or a length limit), and the output has been cut back to it, so it is the end."""
         assert status.is_finished
         if seq.is_finished:
+            if stop_reason is not None:
+                seq.status, seq.stop_reason = status, stop_reason
             return
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -123,6 +135,10 @@ class Scheduler:
         if out.scheduled:  # an empty output is not run, so the ids wait for the next step
             out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self.num_prefill_chunks += sum(not s.samples for s in out.scheduled)
+        now = time.time()
+        for item in out.scheduled:
+            if item.seq.timings.first_scheduled is None:
+                item.seq.timings.first_scheduled = now
         return out
 
     def _schedule_running(
@@ -280,6 +296,17 @@ class Scheduler:
             if status is not None:
                 self.finish(seq, status)
         return updated
+
+    def make_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
 
     def check_integrity(self) -> None:
         live = list(self.running) + list(self.waiting)

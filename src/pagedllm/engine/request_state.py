@@ -21,21 +21,21 @@ class SequenceOutputState:
     cumulative_logprob: float | None
     text: str = ""  # emitted text (stop strings already cut off)
 
-    def check_stop_strings(self, delta: str) -> bool:
-        """Cut self.text at the first stop string that the newest delta completed."""
+    def check_stop_strings(self, delta: str) -> str | None:
+        """Cut self.text at the first stop string that the newest delta completed; returns
+        that stop string (None: no stop string completed)."""
         params = self.seq.sampling_params
         assert isinstance(params.stop, list)
         if not params.stop or not delta:
-            return False
+            return None
         for stop in params.stop:
             search_from = max(0, len(self.text) - len(delta) - len(stop) + 1)
             idx = self.text.find(stop, search_from)
             if idx >= 0:
                 end = idx + len(stop) if params.include_stop_str_in_output else idx
                 self.text = self.text[:end]
-                self.seq.stop_reason = stop
-                return True
-        return False
+                return stop
+        return None
 
     def visible_text(self) -> str:
         """Text safe to show while running: a possible partial stop string is held back."""

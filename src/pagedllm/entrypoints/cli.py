@@ -8,9 +8,10 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from pagedllm import envs
-from pagedllm.config import EngineArgs
+from pagedllm.config import DEPRECATED_PARTITION_FIELDS, EngineArgs, partition_config_dict
 from pagedllm.sampling_params import SamplingParams
 
 # subcommand -> (module, help); each module has add_parser(subparsers) -> parser whose
@@ -26,51 +27,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quantize-eval": ("pagedllm.entrypoints.quantize_cli", "compare int8 with full precision"),
 }
 
-_ENGINE_FLAG_HELP = {
-    "model": "local Hugging Face model folder (default: the bundled demo model)",
-    "tokenizer": "tokenizer folder (default: the model's)",
-    "dtype": "auto | float32 | bfloat16 | float16",
-    "seed": "random seed",
-    "max_model_len": "longest prompt + output, in tokens (default: the model's)",
-    "block_size": "tokens per KV-cache block",
-    "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step (below max_num_seqs, also the "
-    "most sequences in one batch)",
-    "gpu_memory_utilization": "share of GPU memory to use (CUDA)",
-    "kv_cache_memory_bytes": "KV-cache budget in bytes (CPU default: 4 GiB, at most 40%% of "
-    "free RAM)",
-    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
-    "enable_chunked_prefill": "split long prompts into chunks that share steps with decode",
-    "tensor_parallel_size": "number of tensor-parallel workers",
-    "enforce_eager": "never capture CUDA graphs",
-    "quantization": "None | int8",
-    "device": "auto | cpu | cuda",
-    "attention_backend": "torch | cpu | triton (default: chosen for the device)",
-    "disable_comm_overlap": "do not overlap tensor-parallel all-reduce with compute",
-    "nnodes": "machines the tensor-parallel ranks span (each runs this command)",
-    "node_rank": "this machine's index among --nnodes; node 0 runs the engine",
-    "master_addr": "rendezvous host, node 0's address (default: MASTER_ADDR or 127.0.0.1)",
-    "master_port": "rendezvous port (default: MASTER_PORT, else a free port on one node)",
-    "partition": "partition plan JSON (pagedllm partition -o): run one tier of a split",
-    "partition_role": "edge (the engine, embedding and layers [0, cut)) | cloud (the rest)",
-    "partition_address": "edge: the cloud worker's HOST:PORT; cloud: HOST:PORT to listen on",
-    "partition_pipeline_depth": "edge: micro-batches in flight across the tiers (1: none)",
-    "partition_replan_interval": "edge: steps between re-planning the cut from what the split "
-    "measures, moving it when the optimum moves (0: never)",
-    "partition_fallback": "edge, when the link to the cloud is lost: fail (the running "
-    "requests end with an error) | local (every layer runs here until the link returns)",
-    "quant_exclude": "int8: module name or pattern kept in full precision, e.g. lm_head, "
-    "'*.self_attn.*' (repeatable)",
-    "quant_granularity": "int8 weight scales: per_channel | per_tensor",
-    "quant_observer": "int8 activation scales: minmax (per token) | moving_average",
-    "quant_activation": "int8: quantize activations too (int8 x int8 matmuls); "
-    "--no-quant-activation: weight-only",
-    "speculative_config": "speculative decoding as JSON, e.g. "
-    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
-    "kv_events_config": "publish KV-cache events for prefix-aware routers, vLLM's JSON, e.g. "
-    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-    '"replay_endpoint": "tcp://*:5558"}\'',
-}
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends with each flag's default, unless it has none (None, False) or the help
+    already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or "default:" in text:
+            return action.help
+        if default is None or default is False or default is argparse.SUPPRESS:
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The command's parser: subcommand parsers (made through add_subparsers) show defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -78,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
-        help_text = _ENGINE_FLAG_HELP.get(f.name, "")
+        help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.name == "model":
             group.add_argument(flag, default=None, help=help_text)
@@ -92,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             group.add_argument(flag, action="append", default=None, help=help_text)
             continue
         kind = {int: int, float: float}.get(type(default), None)
-        if f.name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        if "int |" in str(f.type):  # int | None: an integer when given
             kind = int
         group.add_argument(flag, type=kind or str, default=default, help=help_text)
     if model_positional:
@@ -105,6 +82,19 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {
         f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
     }
+    # The --partition-* flags are keys of partition_config (their EngineArgs fields are
+    # deprecated); flags given win over the same keys of --partition-config.
+    flags = {
+        key: kwargs.pop(name)
+        for name, key in DEPRECATED_PARTITION_FIELDS.items()
+        if kwargs.get(name) is not None
+    }
+    for name in DEPRECATED_PARTITION_FIELDS:
+        kwargs.pop(name, None)
+    if flags:
+        kwargs["partition_config"] = (
+            partition_config_dict(kwargs.get("partition_config")) or {}
+        ) | flags
     model = getattr(ns, "model_pos", None) or kwargs.pop("model", None)
     kwargs.pop("model", None)
     return EngineArgs(**kwargs) if model is None else EngineArgs(model=model, **kwargs)
@@ -118,16 +108,24 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
     group.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-p", type=float, default=None, help="nucleus mass kept, in (0, 1]")
     group.add_argument("--top-k", type=int, default=None, help="0 = off")
-    group.add_argument("--min-p", type=float, default=None)
-    group.add_argument("--repetition-penalty", type=float, default=None)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below min-p x the top probability"
+    )
+    group.add_argument(
+        "--repetition-penalty", type=float, default=None, help="1 = off; > 1 repeats less"
+    )
+    group.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="> 0 favours tokens not seen yet"
+    )
+    group.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="> 0 penalises frequent tokens"
+    )
     group.add_argument("--n", type=int, default=1, help="samples per prompt")
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--ignore-eos", action="store_true", help="go on past the EOS token")
 
 
 # Without a flag or a generation_config.json value the command line decodes greedily.
@@ -173,25 +171,38 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+# Lines of `pagedllm chat` that end it instead of being sent to the model.
+CHAT_EXIT_COMMANDS = ("/exit", "/quit")
+
+
 def _chat(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     llm = LLM.from_engine_args(engine_args_from(ns))
     params = sampling_params_from(ns, llm.llm_engine.sampling_defaults)
+    _warm_up(llm)
     messages: list[dict[str, str]] = []
-    print("Chat: type a message, empty line or Ctrl-D to quit.")
+    print(f"Chat: type a message; {', '.join(CHAT_EXIT_COMMANDS)}, an empty line or Ctrl-D quit.")
     while True:
         try:
             user = input("you> ").strip()
         except EOFError:
             break
-        if not user:
+        if not user or user.lower() in CHAT_EXIT_COMMANDS:
             break
         messages.append({"role": "user", "content": user})
         reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        print(f"assistant> {reply.strip()}")
+        print(f"assistant> {reply.strip()}", flush=True)
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _warm_up(llm: Any) -> None:
+    """A prefill and a decode step before the first prompt: what loads on first use (C++
+    kernels, tuned tiles) loads and logs now, not between the user's line and the reply."""
+    from pagedllm.sampling_params import SamplingParams
+
+    llm.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -216,8 +227,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with `only`, the other subcommands' modules are not imported (start-up)."""
-    parser = argparse.ArgumentParser(
+    """The parser; with `only`, the other subcommands' modules are not imported (start-up):
+    only="" imports none of them (the command's own help lists them by name)."""
+    parser = ArgumentParser(
         prog="pagedllm", description="pagedllm: LLM inference and serving engine."
     )
     parser.add_argument("--version", action="version", version=_version())
@@ -266,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in args if not a.startswith("-")), None)
-    parser = build_parser(chosen if chosen in SUBCOMMANDS else None)
+    # `pagedllm --help` (no subcommand) needs no subcommand's module: none loads torch.
+    parser = build_parser(chosen if chosen in SUBCOMMANDS else "")
     ns, unknown = parser.parse_known_args(argv)
     ns.raw_argv = list(args)  # what a command that starts others of itself passes on
     if unknown and not getattr(ns, "takes_any_args", False):
@@ -279,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # an optional dependency (e.g. grpcio for the split)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

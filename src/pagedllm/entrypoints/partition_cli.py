@@ -187,20 +187,21 @@ def run_cloud_worker(
     tier: int | None = None,
     next_address: str | None = None,
 ) -> int:
-    """Serve a tier after the edge (the last one, or ``tier``) of args.partition until
+    """Serve a tier after the edge (the last one, or ``tier``) of args.partition_config until
     interrupted."""
     import torch
 
     from pagedllm.partition.plan import PartitionPlan
     from pagedllm.partition.runtime import CloudWorker
 
-    if args.partition is None:
+    settings = args.partition_config
+    if settings is None or "plan" not in settings:
         raise ValueError("the cloud tier needs --partition PLAN.json")
     if threads is not None:
         torch.set_num_threads(threads)
-    num_tiers = len(PartitionPlan.load(args.partition).cuts) + 1
+    num_tiers = len(PartitionPlan.load(settings["plan"]).cuts) + 1
     role = "cloud" if tier is None or tier == num_tiers - 1 else f"tier{tier}"
-    args = dataclasses.replace(args, partition_role=role)
+    args = dataclasses.replace(args, partition_config={**settings, "role": role})
     worker = CloudWorker(args.create_engine_config(), next_address)
     server = worker.serve(emulate)
     start, end = worker.tier.layers

@@ -14,11 +14,11 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.distributed.parallel_state import model_parallel
+from pagedllm.dtypes import torch_dtype
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TIED_HEAD = ("lm_head.weight", "lm_head.weight_scale")  # the embedding's, when tied
 
 
@@ -97,7 +97,7 @@ def build_model(
     (built on the meta device first, so that another tier's layers never take memory)."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"), model_parallel(comm):
-        model = cls(config.hf_config, DTYPES[config.dtype])
+        model = cls(config.hf_config, torch_dtype(config.dtype))
     if config.layer_range is not None:
         keep_layers(model, config.layer_range)
     materialize(model, device)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import head_dim, kv_bytes_per_token
+from pagedllm.dtypes import torch_dtype
 from pagedllm.partition.profiles import LayerTimings
 
 OPS_PER_MODULE = 3  # kernels a leaf module launches, roughly: the floor of a layer's time
@@ -103,7 +104,7 @@ def _num_ops(module: nn.Module) -> int:
 def build_model_graph(model: nn.Module, hf_config: Any, dtype: str, name: str) -> ModelGraph:
     """The cost graph of a Llama-family model (pagedllm's module layout), loaded or on meta."""
     c = hf_config
-    elem = torch.empty(0, dtype=_torch_dtype(dtype)).element_size()
+    elem = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
     inner = model.model
     embed_bytes, _ = _state_bytes(inner.embed_tokens)
     nodes = [
@@ -149,7 +150,7 @@ def graph_from_config(hf_config: Any, dtype: str, name: str) -> ModelGraph:
     from pagedllm.models.registry import get_model_class
 
     with torch.device("meta"):
-        model = get_model_class(architecture_of(hf_config))(hf_config, _torch_dtype(dtype))
+        model = get_model_class(architecture_of(hf_config))(hf_config, torch_dtype(dtype))
     return build_model_graph(model, hf_config, dtype, name)
 
 
@@ -159,9 +160,3 @@ def graph_for_model(model_path: str, dtype: str = "auto") -> ModelGraph:
 
     config = EngineArgs(model=model_path, dtype=dtype, device="cpu").create_engine_config()
     return graph_from_config(config.model.hf_config, config.model.dtype, model_path)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from pagedllm.models.loader import DTYPES
-
-    return DTYPES[name]

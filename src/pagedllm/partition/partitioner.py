@@ -289,11 +289,6 @@ class GraphPartitioner:
                 return c
         return min(tied, key=lambda c: c.cuts)
 
-    def _objective(self, c: CutEstimate) -> tuple[float, float]:
-        if self.strategy == "latency_aware":
-            return (c.decode_latency_ms, -c.pipelined_tokens_per_s)
-        return (-c.pipelined_tokens_per_s, c.decode_latency_ms)
-
     def estimate(
         self,
         cost: CostModel,

@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-WIRE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+from pagedllm.dtypes import DTYPE_BYTES
 
 
 def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:
     """Bytes of one token's hidden state on the wire (int8 adds a float32 scale)."""
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}.")
-    return hidden_size * WIRE_DTYPES[wire_dtype] + (4 if wire_dtype == "int8" else 0)
+    if wire_dtype not in DTYPE_BYTES:
+        raise ValueError(f"wire dtype must be one of {sorted(DTYPE_BYTES)}, got {wire_dtype!r}.")
+    return hidden_size * DTYPE_BYTES[wire_dtype] + (4 if wire_dtype == "int8" else 0)
 
 
 @dataclass(frozen=True)

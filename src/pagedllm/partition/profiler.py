@@ -60,7 +60,7 @@ def profile_device(
     """Measure this machine: matmul FLOP/s per dtype, copy bandwidth, per-op overhead."""
     import torch
 
-    from pagedllm.models.loader import DTYPES
+    from pagedllm.dtypes import torch_dtype
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -69,8 +69,8 @@ def profile_device(
     flops: dict[str, float] = {}
     n = matmul_size
     for dtype in dtypes:
-        a = torch.randn(n, n, device=dev).to(DTYPES[dtype])
-        b = torch.randn(n, n, device=dev).to(DTYPES[dtype])
+        a = torch.randn(n, n, device=dev).to(torch_dtype(dtype))
+        b = torch.randn(n, n, device=dev).to(torch_dtype(dtype))
         flops[dtype] = 2.0 * n**3 / _timeit(lambda a=a, b=b: a @ b, sync, budget_s)
     src = torch.ones(copy_mib << 18, device=dev)  # float32: copy_mib MiB
     dst = torch.empty_like(src)

@@ -36,6 +36,7 @@ from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.outputs import Logprob, TokenLogprobs
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
+from pagedllm.dtypes import torch_dtype
 from pagedllm.partition.adapt import LinkMonitor, Replanner
 from pagedllm.partition.plan import PartitionPlan, TierSetting, load_tier
 from pagedllm.partition.profiles import LinkProfile
@@ -56,7 +57,6 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 30.0  # at start-up the cloud worker may still be loading
 LINK_PROBE_S = 1.0  # running locally after a lost link: how often to look for the worker
 RECONNECT_TIMEOUT_S = 2.0  # later, each step that finds the cloud gone fails this fast
-_FLOAT_WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---- hidden states on the wire -------------------------------------------------------------
@@ -64,7 +64,7 @@ def encode_hidden(hidden: torch.Tensor, wire_dtype: str) -> dict[str, torch.Tens
     """[T, hidden] -> tensors to send; int8 is symmetric per token with a float32 scale."""
     hidden = hidden.detach().cpu()
     if wire_dtype != "int8":
-        return {"hidden": hidden.to(_FLOAT_WIRE[wire_dtype])}
+        return {"hidden": hidden.to(torch_dtype(wire_dtype))}
     scale = hidden.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
     q = torch.round(hidden.float() / scale).clamp(-127, 127).to(torch.int8)
     return {"hidden_q": q, "hidden_scale": scale}

@@ -27,12 +27,20 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
-import grpc
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pagedllm.partition.profiles import LinkProfile
+
+try:
+    import grpc
+except ImportError as e:  # an optional dependency: only the split talks gRPC
+    raise ImportError(
+        "the edge/cloud split needs the grpcio package, which is not installed: "
+        "pip install 'pagedllm[split]'",
+        name="grpc",
+    ) from e
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,6 @@
 for a constraint, so an unconstrained engine never loads the grammar engine.
 """
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 # JSON whitespace allowed between two tokens of a document: free whitespace lets a weak
 # model loop on spaces and newlines forever, and 16 still fits indented output.

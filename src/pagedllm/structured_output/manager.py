@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.sequence import Sequence
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch

@@ -26,7 +26,8 @@ from pagedllm.core.kv_cache import KVCacheSpec
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
-from pagedllm.models.loader import DTYPES, load_model
+from pagedllm.dtypes import torch_dtype
+from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
@@ -77,7 +78,7 @@ class ModelRunner:
         self.device = torch.device(device_config.device)
         if self.device.type == "cuda" and comm.world_size > 1:
             self.device = torch.device("cuda", comm.rank % torch.cuda.device_count())
-        self.dtype = DTYPES[model_config.dtype]
+        self.dtype = torch_dtype(model_config.dtype)
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
         self.model = load_model(model_config, self.device, comm)

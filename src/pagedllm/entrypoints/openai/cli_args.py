@@ -45,6 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own log level",
     )
     server.add_argument(
         "--api-key",
@@ -72,9 +73,10 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         "--role",
         dest="partition_role",
         choices=["edge", "cloud"],
-        default="edge",
+        default=None,
         help="with --partition: edge serves this API and runs the first layers; cloud runs "
-        "the rest for one edge, listening on --partition-address (same as --partition-role)",
+        "the rest for one edge, listening on --partition-address (same as --partition-role; "
+        "default: edge)",
     )
     server.add_argument(
         "--tool-call-parser",
@@ -102,7 +104,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.server import run_server
 
     args = engine_args_from(ns)
-    if args.partition is not None and args.partition_role == "cloud":
+    if args.partition_config is not None and args.partition_config.get("role") == "cloud":
         from pagedllm.entrypoints.partition_cli import run_cloud_worker
 
         return run_cloud_worker(args)

@@ -310,8 +310,8 @@ def startup_banner(app: FastAPI, host: str, port: int) -> str:
         f"  dtype        {config.model.dtype}",
         f"  device       {config.device.device}",
         f"  KV cache     {blocks} blocks x {block_size} tokens = {kv.num_slots} tokens",
-        f"  concurrency  {blocks / per_request:.2f} requests at max_model_len "
-        f"{model.max_model_len}",
+        f"  concurrency  {blocks / per_request:.2f}x  (requests of max_model_len "
+        f"{model.max_model_len} tokens the KV cache holds at once)",
         f"  metrics      {url}/metrics",
     ]
     width = max(len(line) for line in lines)

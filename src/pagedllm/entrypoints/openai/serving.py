@@ -39,8 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizerInfo,
     UsageInfo,
 )
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 

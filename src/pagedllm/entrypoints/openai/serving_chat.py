@@ -51,7 +51,7 @@ from pagedllm.entrypoints.openai.tools import (
     template_tools,
     tool_mode,
 )
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):

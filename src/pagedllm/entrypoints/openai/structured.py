@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.serving import constraint_error
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 _GUIDED = {
     "guided_json": "json",

@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     new_tool_call_id,
 )
 from pagedllm.entrypoints.openai.tool_parsers.hermes import json_value_end
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
