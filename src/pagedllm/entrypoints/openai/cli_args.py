@@ -7,6 +7,7 @@ import argparse
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
+from pagedllm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
 from pagedllm.entrypoints.openai.tool_parsers import tool_parser_names
 
 
@@ -87,6 +88,18 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         action="store_true",
         help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
     )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parser_names(),
+        default=None,
+        help="split <think> text from the answer into reasoning_content (vLLM's names)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template: a file, an inline Jinja template, or chatml_tools (ChatML "
+        "with tools and Hermes <tool_call> blocks) (default: the tokenizer's)",
+    )
     p.set_defaults(func=_serve)
     return p
 
@@ -112,4 +125,6 @@ def _serve(ns: argparse.Namespace) -> int:
         metrics_need_api_key=not ns.disable_metrics_auth,
         max_request_bytes=ns.max_request_bytes,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        chat_template=ns.chat_template,
     )

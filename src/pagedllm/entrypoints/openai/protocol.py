@@ -156,7 +156,14 @@ class ChatCompletionRequest(SamplingFields):
     )
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
-    parallel_tool_calls: bool | None = None  # accepted; calls are never limited to one
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call (the grammar allows no second)"
+    )
+    thinking_token_budget: Int(ge=0) | None = Field(
+        None,
+        description="with --reasoning-parser: the most tokens of reasoning; then the grammar "
+        "closes the reasoning block",
+    )
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
@@ -257,6 +264,7 @@ class DeltaToolCall(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> text
     tool_calls: list[ToolCall] | None = None
 
 
@@ -280,6 +288,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -31,6 +31,7 @@ from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineError,
 )
+from pagedllm.entrypoints.openai.chat_templates import load_chat_template
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedllm.entrypoints.openai.openapi import (
     CHAT_RESPONSES,
@@ -60,6 +61,7 @@ from pagedllm.entrypoints.openai.serving import (
     ServedModel,
     ServingError,
     model_not_found,
+    warning_header,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -79,6 +81,8 @@ def build_app(
     metrics_need_api_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
@@ -86,11 +90,13 @@ def build_app(
     wants ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes`` get a 413.
     ``app.state`` holds ``engine`` (AsyncLLMEngine), ``served_model``, ``metrics``
     (PrometheusStatLogger) and ``monitor`` (an InferenceMonitor on the same registry).
+    ``chat_template`` (a file, an inline template or a built-in name, see chat_templates.py)
+    replaces the tokenizer's; ``tool_call_parser`` and ``reasoning_parser`` are vLLM's names.
     """
     owned = isinstance(engine, EngineArgs)
     if isinstance(engine, EngineArgs):
         engine = AsyncLLMEngine.from_engine_args(engine, max_waiting_requests)
-    model = served_model(engine, served_model_names)
+    model = served_model(engine, served_model_names, load_chat_template(chat_template))
     metrics = PrometheusStatLogger(
         model.name, model.max_model_len, cache_info(engine), process_metrics=True
     )
@@ -113,7 +119,7 @@ def build_app(
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
     engine.engine.add_stat_logger(MonitorStatLogger(app.state.monitor))
     _add_error_handlers(app)
-    _add_routes(app, engine, model, metrics, tool_call_parser)
+    _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     vocab_size = engine.engine.config.model.hf_config.vocab_size
     install_openapi(app, vocab_size, open_paths if api_key is not None else None)
@@ -126,7 +132,9 @@ def build_app(
     return app
 
 
-def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedModel:
+def served_model(
+    engine: AsyncLLMEngine, names: Sequence[str] | None, chat_template: str | None = None
+) -> ServedModel:
     """The served names: as given, else the model folder as given (clients that load the
     tokenizer, such as lm-evaluation-harness, find it there, as with vLLM) and its name."""
     config = engine.engine.config
@@ -136,6 +144,7 @@ def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedM
         names=list(dict.fromkeys(names or default)),
         path=os.path.abspath(model),
         max_model_len=config.scheduler.max_model_len,
+        chat_template=chat_template,
     )
 
 
@@ -153,6 +162,13 @@ def cache_info(engine: AsyncLLMEngine) -> dict[str, str]:
 
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"), status_code=status)
+
+
+def _with_warnings(response: Response, raw: Request) -> Response:
+    header = warning_header(raw)
+    if header is not None:
+        response.headers["Warning"] = header
+    return response
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -201,12 +217,13 @@ def _add_routes(
     model: ServedModel,
     metrics: PrometheusStatLogger,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     from pagedllm import __version__
 
     base = OpenAIServing(engine, model)
     completion = OpenAIServingCompletion(engine, model)
-    chat = OpenAIServingChat(engine, model, tool_call_parser)
+    chat = OpenAIServingChat(engine, model, tool_call_parser, reasoning_parser)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -246,7 +263,7 @@ def _add_routes(
     @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         result = await chat.create(req, raw)
-        return result if isinstance(result, Response) else _json(result)
+        return _with_warnings(result if isinstance(result, Response) else _json(result), raw)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=MODEL_RESPONSES)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
