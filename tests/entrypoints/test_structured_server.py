@@ -134,6 +134,7 @@ def test_completions_structured_outputs_and_guided_aliases(client):
         ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "regex"),
         ({"extra_body": {"guided_json": {}, "guided_regex": "a"}}, "only one"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
+        ({"extra_body": {"thinking_token_budget": 4}}, "--reasoning-parser"),
     ],
 )
 def test_bad_constraints_are_400s(client, body, words):

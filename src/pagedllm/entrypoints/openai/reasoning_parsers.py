@@ -61,13 +61,11 @@ class ReasoningParser:
             return ReasoningSplit("", text)
         body = text
         stripped = text.lstrip()
+        if not finished and START.startswith(stripped):
+            return ReasoningSplit("", None)  # nothing yet, or maybe "<think>" coming
         if stripped.startswith(START):
             body = stripped[len(START) :]
         elif not self.in_prompt:
-            if not finished and stripped and START.startswith(stripped):
-                return ReasoningSplit("", None)  # maybe "<think>" still coming
-            if not finished and not stripped:
-                return ReasoningSplit("", None)
             return ReasoningSplit("", text)
         end = body.find(END)
         if end < 0:

@@ -15,8 +15,10 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 Format = dict[str, Any]
 
-# Free whitespace between JSON tokens, as the engine allows for a plain JSON constraint.
+# Free whitespace between JSON tokens, as the engine allows for a plain JSON constraint;
+# "compact" JSON gets the least a structural tag can say (xgrammar wants a positive count).
 JSON_WHITESPACE = 16
+COMPACT_WHITESPACE = 1
 
 
 def json_format(schema: dict[str, Any] | bool, compact: bool = False) -> Format:
@@ -27,7 +29,7 @@ def json_format(schema: dict[str, Any] | bool, compact: bool = False) -> Format:
     return {
         "type": "json_schema",
         "json_schema": bounded_strings_as_patterns(schema),
-        "max_whitespace_cnt": 0 if compact else JSON_WHITESPACE,
+        "max_whitespace_cnt": COMPACT_WHITESPACE if compact else JSON_WHITESPACE,
     }
 
 
