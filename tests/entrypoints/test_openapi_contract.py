@@ -63,4 +63,4 @@ def test_schemathesis_finds_no_failure(url) -> None:
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     report = run.stdout + run.stderr
     assert run.returncode == 0, report[-6000:]
-    assert "10 selected / 10 total" in report and "positive_data_acceptance" not in report
+    assert "12 selected / 12 total" in report and "positive_data_acceptance" not in report

@@ -86,6 +86,39 @@ CHAT_RESPONSES = {
     },
     **_GENERATION_ERRORS,
 }
+
+
+def _responses_events() -> dict[str, Any]:
+    """The Responses API's stream: events named by their type, data a JSON object."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+        },
+    }
+    return {"text/event-stream": {"schema": event}}
+
+
+RESPONSES_RESPONSES = {
+    200: {
+        "description": "The response object (OpenAI's Response), or its events with "
+        "stream: true (response.created ... response.completed)",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            **_responses_events(),
+        },
+    },
+    **_GENERATION_ERRORS,
+}
+RESPONSE_RETRIEVE = {
+    200: {
+        "description": "A stored response",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    404: _error("No stored response has this id (code `response_not_found`)."),
+}
 HEALTH_RESPONSES = {
     200: {"model": HealthResponse, "description": "The engine serves requests."},
     503: _error("The engine died; the server is stopping."),

@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_serializer,
+)
 
 from pagedllm.sampling_params import MAX_LOGPROBS
 
@@ -24,6 +31,8 @@ CROSS_FIELD_RULES = {
     "invalid_output_constraint": "an output constraint or tool list that does not compile "
     "(a JSON schema, regex or grammar the grammar engine rejects, a tool_choice naming no "
     "given tool, two constraints at once)",
+    "invalid_function_arguments": "a function_call item (or a tool call) whose arguments "
+    "are not JSON text",
 }
 # Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
 TOKEN_ID_MARK = "x-token-id"
@@ -378,3 +387,108 @@ class TokenizerInfo(OpenAIModel):
     pad_token: str | None = None
     chat_template: str | None = None
     model_max_length: int
+
+
+# ---- the Responses API (/v1/responses) ---------------------------------------------------
+class InputTextPart(OpenAIRequest):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessageItem(OpenAIRequest):
+    """A message of the conversation (``type`` may be left out, as OpenAI allows)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(OpenAIRequest):
+    """A call the model made earlier (sent back with its output)."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    arguments: str  # JSON text
+
+
+class FunctionCallOutputItem(OpenAIRequest):
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str
+
+
+class ReasoningInputItem(OpenAIRequest):
+    """An earlier reasoning item sent back (agents do): not part of the next prompt."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
+
+
+def _not_only_reasoning(items: list[Any]) -> list[Any]:
+    if all(isinstance(item, ReasoningInputItem) for item in items):
+        raise ValueError("input needs a message or a function call, not only reasoning items")
+    return items
+
+
+# At least one item that is not a reasoning item (the schema says so too).
+InputItems = Annotated[
+    list[InputItem],
+    Field(
+        min_length=1,
+        json_schema_extra={
+            "contains": {
+                "not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}
+            }
+        },
+    ),
+    AfterValidator(_not_only_reasoning),
+]
+
+
+class FunctionTool(OpenAIRequest):
+    type: Literal["function"]
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema here
+
+
+class NamedFunctionChoice(OpenAIRequest):
+    type: Literal["function"]
+    name: NonEmptyStr
+
+
+class TextFormat(OpenAIRequest):
+    """``text.format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(OpenAIRequest):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(OpenAIRequest):
+    model: str | None = None
+    input: NonEmptyStr | InputItems
+    instructions: str | None = None  # a system message for this response only
+    previous_response_id: str | None = None  # continue a stored response's conversation
+    store: bool = True  # keep this response for previous_response_id
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: Int(ge=1) | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # accepted; the reasoning parser decides

@@ -40,6 +40,8 @@ from pagedllm.entrypoints.openai.openapi import (
     HEALTH_RESPONSES,
     METRICS_RESPONSES,
     MODEL_RESPONSES,
+    RESPONSE_RETRIEVE,
+    RESPONSES_RESPONSES,
     HealthResponse,
     VersionResponse,
     install_openapi,
@@ -51,6 +53,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
@@ -65,6 +68,7 @@ from pagedllm.entrypoints.openai.serving import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.monitor import InferenceMonitor, MonitorStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -224,6 +228,8 @@ def _add_routes(
     base = OpenAIServing(engine, model)
     completion = OpenAIServingCompletion(engine, model)
     chat = OpenAIServingChat(engine, model, tool_call_parser, reasoning_parser)
+    responses = OpenAIServingResponses(chat)
+    app.state.responses = responses
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -264,6 +270,17 @@ def _add_routes(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         result = await chat.create(req, raw)
         return _with_warnings(result if isinstance(result, Response) else _json(result), raw)
+
+    @app.post("/v1/responses", response_model=None, responses=RESPONSES_RESPONSES)
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API: one response, streamed as its events with stream: true."""
+        result = await responses.create(req, raw)
+        response = result if isinstance(result, Response) else JSONResponse(result)
+        return _with_warnings(response, raw)
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=RESPONSE_RETRIEVE)
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=MODEL_RESPONSES)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -59,6 +61,7 @@ from pagedllm.entrypoints.openai.tools import (
     template_tools,
     tool_mode,
 )
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -80,10 +83,8 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
 
-    async def create(
-        self, req: ChatCompletionRequest, raw: Request
-    ) -> ChatCompletionResponse | StreamingResponse:
-        """The response, or for ``stream: true`` the server-sent events to send."""
+    async def prepare(self, req: ChatCompletionRequest, raw: Request) -> PreparedChat:
+        """Everything a chat request needs before it runs (the Responses API shares it)."""
         self.check_model(req.model)
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls)
         top = self._top_logprobs(req)
@@ -101,20 +102,27 @@ class OpenAIServingChat(OpenAIServing):
             req, len(ids), max_tokens, top, "messages", structured_outputs=constraint
         )
         await precompile(self.engine, constraint)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": text, "prompt_token_ids": ids}
+        return PreparedChat(req, mode, top, text, prompt, params)
+
+    async def create(
+        self, req: ChatCompletionRequest, raw: Request
+    ) -> ChatCompletionResponse | StreamingResponse:
+        """The response, or for ``stream: true`` the server-sent events to send."""
+        prep = await self.prepare(req, raw)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = ChunkHeader(request_id, self.response_model(req.model))
         result = await self.respond(
             raw,
             request_id,
-            [(prompt, params)],
+            [(prep.prompt, prep.params)],
             req.stream,
-            lambda streams: self._stream(req, header, streams[0], top, mode, text),
+            lambda streams: self._stream(prep, header, streams[0]),
         )
         if isinstance(result, StreamingResponse):
             return result
         (final,) = result
-        choices = [self._choice(comp, top, mode, text) for comp in final.outputs]
+        choices = [self.choice(comp, prep) for comp in final.outputs]
         return ChatCompletionResponse(
             id=request_id, model=header.model, choices=choices, usage=usage_info([final])
         )
@@ -196,12 +204,12 @@ class OpenAIServingChat(OpenAIServing):
             return "tool_calls"
         return reason
 
-    def _choice(
-        self, comp: CompletionOutput, top: int | None, mode: ToolMode, prompt: str
-    ) -> ChatChoice:
+    def choice(self, comp: CompletionOutput, prep: PreparedChat) -> ChatChoice:
+        """One finished choice: its content, reasoning and tool calls."""
+        top, mode = prep.top, prep.mode
         text: str | None = comp.text
         reasoning = None
-        rparser = self._reasoning(prompt)
+        rparser = self._reasoning(prep.text)
         if rparser is not None:
             split = rparser.split(comp.text, finished=True)
             text, reasoning = split.content, split.reasoning or None
@@ -257,18 +265,9 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoiceLogprobs(content=content)
 
     async def _stream(
-        self,
-        req: ChatCompletionRequest,
-        header: ChunkHeader,
-        stream: RequestStream,
-        top: int | None,
-        mode: ToolMode,
-        prompt: str,
+        self, prep: PreparedChat, header: ChunkHeader, stream: RequestStream
     ) -> AsyncIterator[str]:
-        tracker = DeltaTracker()
-        splitters = {index: _ChoiceSplitter(self._reasoning(prompt)) for index in range(req.n)}
-        parsers = {index: self._parser(mode) for index in range(req.n)}
-        called = dict.fromkeys(range(req.n), False)
+        req = prep.req
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(
@@ -285,6 +284,21 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk(
                 [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
             )
+        tracker = DeltaTracker()
+        async for choice in self.stream_choices(prep, stream, tracker):
+            yield chunk([choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage_info([tracker.last]))
+
+    async def stream_choices(
+        self, prep: PreparedChat, stream: RequestStream, tracker: DeltaTracker
+    ) -> AsyncIterator[ChatStreamChoice]:
+        """The streamed deltas of every choice, each choice ended by one with its
+        finish_reason (``tracker.last`` is the last output, for the usage)."""
+        n, top, mode = prep.req.n, prep.top, prep.mode
+        splitters = {index: _ChoiceSplitter(self._reasoning(prep.text)) for index in range(n)}
+        parsers = {index: self._parser(mode) for index in range(n)}
+        called = dict.fromkeys(range(n), False)
         async for _, out in merge_streams([stream]):
             for d in tracker.update(out):
                 logprobs = None
@@ -302,18 +316,26 @@ class OpenAIServingChat(OpenAIServing):
                 called[d.index] |= bool(parsed.tool_calls)
                 delta = _delta_message(parsed, reasoning) if parsed or reasoning else None
                 if delta is not None or (logprobs is not None and logprobs.content):
-                    choice = ChatStreamChoice(
+                    yield ChatStreamChoice(
                         index=d.index, delta=delta or DeltaMessage(content=""), logprobs=logprobs
                     )
-                    yield chunk([choice])
                 if d.finish_reason is not None:
                     reason = self._finish_reason(d.finish_reason, mode, called[d.index])
-                    end = ChatStreamChoice(
+                    yield ChatStreamChoice(
                         index=d.index, delta=DeltaMessage(), finish_reason=reason
                     )
-                    yield chunk([end])
-        if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage_info([tracker.last]))
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request ready to run: its tool mode, prompt and sampling parameters."""
+
+    req: ChatCompletionRequest
+    mode: ToolMode
+    top: int | None  # SamplingParams.logprobs
+    text: str  # the rendered prompt
+    prompt: dict[str, Any]  # the engine's prompt (text and token ids)
+    params: SamplingParams
 
 
 class _ChoiceSplitter:
