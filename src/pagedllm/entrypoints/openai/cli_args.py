@@ -100,6 +100,19 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         help="the chat template: a file, an inline Jinja template, or chatml_tools (ChatML "
         "with tools and Hermes <tool_call> blocks) (default: the tokenizer's)",
     )
+    server.add_argument(
+        "--runner",
+        choices=["generate", "pooling"],
+        default="generate",
+        help="pooling: also serve /v1/embeddings (pooled hidden states of a decoder model)",
+    )
+    server.add_argument(
+        "--pooling-type",
+        choices=["last", "mean"],
+        default="last",
+        help="with --runner pooling: the last prompt token's hidden state, or the mean of all "
+        "(mean needs --no-enable-prefix-caching)",
+    )
     p.set_defaults(func=_serve)
     return p
 
@@ -127,4 +140,6 @@ def _serve(ns: argparse.Namespace) -> int:
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
         chat_template=ns.chat_template,
+        runner=ns.runner,
+        pooling_type=ns.pooling_type,
     )

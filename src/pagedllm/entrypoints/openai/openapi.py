@@ -42,7 +42,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     413: _error("The request body is larger than the server's limit."),
 }
 MODEL_RESPONSES = {**ERRORS, 404: _error("The model does not exist (code `model_not_found`).")}
-_GENERATION_ERRORS = {
+GENERATION_ERRORS = {
     **MODEL_RESPONSES,
     500: _error("The engine failed while running the request."),
     503: _error("The engine is overloaded (`server_overloaded`) or dead (`engine_dead`)."),
@@ -76,7 +76,7 @@ COMPLETION_RESPONSES = {
         "description": "The completion",
         "content": _sse("CompletionResponse"),
     },
-    **_GENERATION_ERRORS,
+    **GENERATION_ERRORS,
 }
 CHAT_RESPONSES = {
     200: {
@@ -84,7 +84,7 @@ CHAT_RESPONSES = {
         "description": "The chat completion",
         "content": _sse("ChatCompletionChunk"),
     },
-    **_GENERATION_ERRORS,
+    **GENERATION_ERRORS,
 }
 
 
@@ -110,7 +110,7 @@ RESPONSES_RESPONSES = {
             **_responses_events(),
         },
     },
-    **_GENERATION_ERRORS,
+    **GENERATION_ERRORS,
 }
 RESPONSE_RETRIEVE = {
     200: {

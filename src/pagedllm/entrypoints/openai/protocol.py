@@ -33,6 +33,8 @@ CROSS_FIELD_RULES = {
     "given tool, two constraints at once)",
     "invalid_function_arguments": "a function_call item (or a tool call) whose arguments "
     "are not JSON text",
+    "dimensions_not_supported": "embedding dimensions the model was not trained to be cut "
+    "to (its config's matryoshka_dimensions)",
 }
 # Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
 TOKEN_ID_MARK = "x-token-id"
@@ -492,3 +494,38 @@ class ResponsesRequest(OpenAIRequest):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # accepted; the reasoning parser decides
+
+
+# ---- embeddings (/v1/embeddings) ---------------------------------------------------------
+class EmbeddingRequest(OpenAIRequest):
+    model: str | None = None
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | PromptIds
+        | Annotated[list[PromptIds], Field(min_length=1)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int(ge=1) | None = Field(
+        None, description="keep the first dimensions (models trained for it: Matryoshka)"
+    )
+    user: str | None = None  # accepted for compatibility; not used
+    normalize: bool = Field(True, description="scale each vector to unit length (vLLM's extra)")
+
+
+class EmbeddingData(OpenAIModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 values, little-endian
+
+
+class EmbeddingUsage(OpenAIModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

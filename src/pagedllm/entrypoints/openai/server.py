@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.openapi import (
     CHAT_RESPONSES,
     COMPLETION_RESPONSES,
     ERRORS,
+    GENERATION_ERRORS,
     HEALTH_RESPONSES,
     METRICS_RESPONSES,
     MODEL_RESPONSES,
@@ -51,6 +52,8 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     ResponsesRequest,
@@ -68,10 +71,12 @@ from pagedllm.entrypoints.openai.serving import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, attach_pooler
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.monitor import InferenceMonitor, MonitorStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,8 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
+    runner: str = "generate",
+    pooling_type: str = "last",
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
@@ -96,6 +103,7 @@ def build_app(
     (PrometheusStatLogger) and ``monitor`` (an InferenceMonitor on the same registry).
     ``chat_template`` (a file, an inline template or a built-in name, see chat_templates.py)
     replaces the tokenizer's; ``tool_call_parser`` and ``reasoning_parser`` are vLLM's names.
+    ``runner="pooling"`` serves /v1/embeddings (``pooling_type`` "last" or "mean").
     """
     owned = isinstance(engine, EngineArgs)
     if isinstance(engine, EngineArgs):
@@ -123,7 +131,8 @@ def build_app(
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
     engine.engine.add_stat_logger(MonitorStatLogger(app.state.monitor))
     _add_error_handlers(app)
-    _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser)
+    pooler = attach_pooler(engine, pooling_type) if runner == "pooling" else None
+    _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser, pooler)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     vocab_size = engine.engine.config.model.hf_config.vocab_size
     install_openapi(app, vocab_size, open_paths if api_key is not None else None)
@@ -222,6 +231,7 @@ def _add_routes(
     metrics: PrometheusStatLogger,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    pooler: Pooler | None = None,
 ) -> None:
     from pagedllm import __version__
 
@@ -229,6 +239,7 @@ def _add_routes(
     completion = OpenAIServingCompletion(engine, model)
     chat = OpenAIServingChat(engine, model, tool_call_parser, reasoning_parser)
     responses = OpenAIServingResponses(chat)
+    embedding = OpenAIServingEmbedding(engine, model, pooler)
     app.state.responses = responses
 
     @app.get("/health", responses=HEALTH_RESPONSES)
@@ -281,6 +292,13 @@ def _add_routes(
     @app.get("/v1/responses/{response_id}", response_model=None, responses=RESPONSE_RETRIEVE)
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.retrieve(response_id))
+
+    if pooler is not None:  # --runner pooling
+
+        @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=GENERATION_ERRORS)
+        async def embeddings(req: EmbeddingRequest, raw: Request) -> JSONResponse:
+            """Pooled final hidden states of each input."""
+            return _json(await embedding.create(req, raw))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=MODEL_RESPONSES)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
