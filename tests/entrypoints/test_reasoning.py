@@ -178,3 +178,30 @@ def test_parsers_split_and_stream_alike(tiny_llama, name, prompt, output, reason
             assert split.content.startswith(last_content)
             last_content = split.content
     assert sent_r == reasoning and (last_content if content is not None else None) == content
+
+
+def test_responses_api_gives_a_reasoning_item(client):
+    """/v1/responses: the block is a reasoning item before the message, streamed as
+    reasoning_text deltas."""
+    result = client.responses.create(
+        model=MODEL,
+        input="Who?",
+        temperature=0,
+        max_output_tokens=120,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert [o.type for o in result.output] == ["message"]  # thinking off: no reasoning item
+    cut = client.responses.create(model=MODEL, input="Who?", temperature=0, max_output_tokens=8)
+    assert [o.type for o in cut.output] == ["reasoning", "message"]
+    (reasoning,) = cut.output[0].content
+    assert reasoning.type == "reasoning_text" and reasoning.text
+    assert cut.output_text == "" and cut.status == "incomplete"
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Who?", temperature=0, max_output_tokens=8, stream=True
+        )
+    )
+    pieces = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(pieces) >= 2 and "".join(pieces) == reasoning.text
+    assert events[-1].response.output[0].content[0].text == reasoning.text

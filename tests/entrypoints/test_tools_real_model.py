@@ -176,7 +176,8 @@ def weather_call(city: str) -> dict:
 def test_serve_chat_template_gives_tools_to_a_model_without_them():
     """`pagedllm serve --chat-template chatml_tools --tool-call-parser hermes`: the prompt
     lists the tools (no warning), earlier calls are written as <tool_call> blocks, and the
-    model calls the declared function."""
+    model calls the declared function. With --reasoning-parser qwen3 the grammar also admits
+    a <think> block first; SmolLM2 writes none, so there is no reasoning_content."""
     history = [
         {"role": "user", "content": "What is the weather in Paris?"},
         weather_call("Paris"),
@@ -192,6 +193,7 @@ def test_serve_chat_template_gives_tools_to_a_model_without_them():
         "--kv-cache-memory-bytes=67108864",
         "--chat-template=chatml_tools",
         "--tool-call-parser=hermes",
+        "--reasoning-parser=qwen3",
     ) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(
@@ -201,6 +203,7 @@ def test_serve_chat_template_gives_tools_to_a_model_without_them():
         choice = raw.parse().choices[0]
         assert calls(choice) == [("get_weather", {"city": "Berlin"})]
         assert choice.finish_reason == "tool_calls"
+        assert choice.message.reasoning_content is None
         # /tokenize renders the same messages without tools: the listing adds tokens
         without = httpx.post(url + "/tokenize", json={"model": NAME, "messages": history})
         assert raw.parse().usage.prompt_tokens > without.json()["count"] + 50

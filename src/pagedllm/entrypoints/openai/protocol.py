@@ -36,6 +36,10 @@ CROSS_FIELD_RULES = {
     "dimensions_not_supported": "embedding dimensions the model was not trained to be cut "
     "to (its config's matryoshka_dimensions)",
 }
+# Arguments of apply_chat_template the server sets itself (chat_template_kwargs may not).
+RESERVED_KWARGS = frozenset(
+    {"chat_template", "tokenize", "conversation", "messages", "add_generation_prompt"}
+)
 # Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
 TOKEN_ID_MARK = "x-token-id"
 MAX_N = 128  # most choices per prompt (OpenAI's limit); the engine enforces the same
@@ -180,19 +184,7 @@ class ChatCompletionRequest(SamplingFields):
         None,
         description="extra variables of the chat template (chat_template, tokenize, "
         "conversation, messages and add_generation_prompt are not allowed)",
-        json_schema_extra={
-            "propertyNames": {
-                "not": {
-                    "enum": [
-                        "chat_template",
-                        "tokenize",
-                        "conversation",
-                        "messages",
-                        "add_generation_prompt",
-                    ]
-                }
-            }
-        },
+        json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}},
     )
 
 
@@ -494,6 +486,12 @@ class ResponsesRequest(OpenAIRequest):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # accepted; the reasoning parser decides
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="extra variables of the chat template, as on chat completions "
+        "(enable_thinking: false turns Qwen3's thinking off)",
+        json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}},
+    )
 
 
 # ---- embeddings (/v1/embeddings) ---------------------------------------------------------

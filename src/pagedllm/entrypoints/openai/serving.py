@@ -27,6 +27,7 @@ from pagedllm.engine.async_engine import (
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.engine.tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import (
+    RESERVED_KWARGS,
     ChatMessage,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -303,9 +304,7 @@ class OpenAIServing:
 
 
 # Arguments of apply_chat_template the server sets itself (a request may not replace them).
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"chat_template", "tokenize", "conversation", "messages", "add_generation_prompt"}
-)
+RESERVED_TEMPLATE_KWARGS = RESERVED_KWARGS
 
 
 def int64_seed(seed: int, n: int) -> int:

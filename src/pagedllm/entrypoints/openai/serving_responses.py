@@ -169,6 +169,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "chat_template_kwargs": req.chat_template_kwargs,
     }
     return ChatCompletionRequest.model_validate(body, strict=False)
 
