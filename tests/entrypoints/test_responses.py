@@ -92,6 +92,19 @@ def test_text_format_json_schema(client):
     )
     assert result.status == "completed" and result.text.format.type == "json_schema"
     jsonschema.validate(json.loads(result.output_text), PERSON)
+    # the client's own helper: a pydantic model as text_format, parsed back
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: Literal["ada", "bob"]
+        age: int = Field(ge=0)
+
+    parsed = client.responses.parse(
+        model=MODEL, input="Who?", temperature=0, max_output_tokens=60, text_format=Person
+    )
+    assert isinstance(parsed.output_parsed, Person)
 
 
 def test_function_calls_and_their_outputs_continue_the_conversation(client):
