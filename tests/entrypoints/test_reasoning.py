@@ -133,6 +133,25 @@ def test_tools_after_reasoning(client):
     assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
     assert json.loads(choice.message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # streamed: the reasoning deltas, then the call's
+    reasoning, name, arguments, content = "", "", "", ""
+    for chunk in chat(
+        client,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        extra_body=budget(5),
+        stream=True,
+    ):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            assert reasoning == choice.message.reasoning_content  # all reasoning came first
+            name += tc.function.name or ""
+            arguments += tc.function.arguments or ""
+    assert name == "get_time" and arguments == choice.message.tool_calls[0].function.arguments
+    assert content == ""
 
 
 def test_unfinished_reasoning_is_all_reasoning(client):

@@ -132,6 +132,7 @@ def build_app(
     engine.engine.add_stat_logger(MonitorStatLogger(app.state.monitor))
     _add_error_handlers(app)
     pooler = attach_pooler(engine, pooling_type) if runner == "pooling" else None
+    app.state.pooler = pooler
     _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser, pooler)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     vocab_size = engine.engine.config.model.hf_config.vocab_size
@@ -346,9 +347,12 @@ def startup_banner(app: FastAPI, host: str, port: int) -> str:
     per_request = kv.blocks_for(model.max_model_len)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{port}"
+    routes = "completions, chat/completions, responses, models"
+    if app.state.pooler is not None:
+        routes += ", embeddings"
     lines = [
         "pagedllm OpenAI-compatible server",
-        f"  URL          {url}/v1   (completions, chat/completions, models)",
+        f"  URL          {url}/v1   ({routes})",
         f"  model        {model.name}" + (f"  ({model.path})" if model.path != model.name else ""),
         f"  dtype        {config.model.dtype}",
         f"  device       {config.device.device}",
