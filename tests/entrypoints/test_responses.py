@@ -46,7 +46,14 @@ def client(tiny_llama, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(str(folder))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(folder))
-    args = EngineArgs(model=str(folder), kv_cache_memory_bytes=1 << 22, max_model_len=512)
+    # Without prefix caching a repeated request runs the same shapes through the same
+    # kernels, so that greedy output (streamed or not) repeats on this random model.
+    args = EngineArgs(
+        model=str(folder),
+        kv_cache_memory_bytes=1 << 22,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
     app = build_app(args, [MODEL], log_stats_interval=None, tool_call_parser="hermes")
     with serve_in_thread(app) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
