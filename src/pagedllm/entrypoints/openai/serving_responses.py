@@ -25,8 +25,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatResponseMessage,
     ChatStreamChoice,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -259,7 +261,9 @@ class OpenAIServingResponses:
         response_id = _id("resp")
         (stream,) = await self.chat.add_requests(response_id, [(prep.prompt, prep.params)])
         base = self._base(req, response_id)
-        conversation = [m for m in chat_req.model_dump(exclude_none=True)["messages"]]
+        # What previous_response_id continues: the conversation without this turn's
+        # instructions (they apply to this response only), then its output.
+        conversation = chat_req.model_dump(exclude_none=True)["messages"]
         if req.instructions:
             conversation = conversation[1:]
         if req.stream:
@@ -267,12 +271,19 @@ class OpenAIServingResponses:
             return event_stream(events, [stream])
         (final,) = await unless_disconnected(collect_finals([stream]), raw)
         comp = final.outputs[0]
-        choice = self.chat.choice(comp, prep)
+        incomplete = comp.finish_reason == "length"
+        output = self._output_items(self.chat.choice(comp, prep).message, incomplete)
+        usage = _usage(len(final.prompt_token_ids), len(comp.token_ids))
+        response = self._finish(base, output, incomplete, usage)
+        self._keep(req, response, conversation)
+        return response
+
+    @staticmethod
+    def _output_items(message: ChatResponseMessage, incomplete: bool) -> list[dict[str, Any]]:
+        """A finished chat message as output items: reasoning, message, function calls."""
         output: list[dict[str, Any]] = []
-        message = choice.message
         if message.reasoning_content:
             output.append(_reasoning_item(_id("rs"), message.reasoning_content))
-        incomplete = comp.finish_reason == "length"
         if message.content is not None or not message.tool_calls:
             status = "incomplete" if incomplete else "completed"
             output.append(_message_item(_id("msg"), message.content or "", status))
@@ -280,11 +291,7 @@ class OpenAIServingResponses:
             output.append(
                 _call_item(_id("fc"), call.id, call.function.name, call.function.arguments)
             )
-        response = self._finish(
-            base, output, incomplete, _usage(len(final.prompt_token_ids), len(comp.token_ids))
-        )
-        self._keep(req, response, conversation)
-        return response
+        return output
 
     def _keep(
         self, req: ResponsesRequest, response: dict[str, Any], conversation: list[dict[str, Any]]
@@ -339,7 +346,7 @@ class OpenAIServingResponses:
         self,
         req: ResponsesRequest,
         prep: PreparedChat,
-        stream: Any,
+        stream: RequestStream,
         base: dict[str, Any],
         conversation: list[dict[str, Any]],
     ) -> AsyncIterator[str]:
