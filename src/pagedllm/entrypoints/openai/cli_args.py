@@ -84,11 +84,6 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         help='how tool calls are read from the output for tool_choice "auto" (vLLM\'s names)',
     )
     server.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
-    )
-    server.add_argument(
         "--reasoning-parser",
         choices=reasoning_parser_names(),
         default=None,
@@ -112,6 +107,11 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         default="last",
         help="with --runner pooling: the last prompt token's hidden state, or the mean of all "
         "(mean needs --no-enable-prefix-caching)",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
     )
     p.set_defaults(func=_serve)
     return p

@@ -61,8 +61,7 @@ from pagedllm.entrypoints.openai.tools import (
     template_tools,
     tool_mode,
 )
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 TOOLS_IGNORED = (

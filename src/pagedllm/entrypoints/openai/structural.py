@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 Format = dict[str, Any]
 
