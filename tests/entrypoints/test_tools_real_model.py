@@ -149,6 +149,15 @@ def test_template_that_drops_tools_is_reported(client):
     )
     assert "warning" not in plain.headers
     assert raw.parse().usage.prompt_tokens == plain.parse().usage.prompt_tokens
+    streamed = client.chat.completions.with_raw_response.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        max_tokens=1,
+        stream=True,
+    )
+    assert "ignores `tools`" in streamed.headers["warning"]
+    assert list(streamed.parse())  # the stream itself is unaffected
 
 
 def test_response_names_the_model_the_request_used(client):
