@@ -13,8 +13,14 @@ import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 # the 400s of rules that /openapi.json names by code (protocol.CROSS_FIELD_RULES) but no
-# JSON schema can state: the context length, and whether a constraint compiles
-SEMANTIC_CODES = ("context_length_exceeded", "invalid_output_constraint")
+# JSON schema can state: the context length, whether a constraint compiles, whether a
+# string holds JSON (a function call's arguments), and the model's embedding dimensions
+SEMANTIC_CODES = (
+    "context_length_exceeded",
+    "invalid_output_constraint",
+    "invalid_function_arguments",
+    "dimensions_not_supported",
+)
 
 
 @schemathesis.check

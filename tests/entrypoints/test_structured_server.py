@@ -134,6 +134,7 @@ def test_completions_structured_outputs_and_guided_aliases(client):
         ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "regex"),
         ({"extra_body": {"guided_json": {}, "guided_regex": "a"}}, "only one"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
+        ({"extra_body": {"thinking_token_budget": 4}}, "--reasoning-parser"),
     ],
 )
 def test_bad_constraints_are_400s(client, body, words):
@@ -219,3 +220,65 @@ def test_streamed_tool_call_deltas_reassemble(client, kwargs, finish):
     for call in calls.values():
         assert call["id"].startswith("call_")
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+# Two calls forced by a regex (the request's own constraint, so the tool grammar is off):
+# one of a function the request never declared, then a declared one.
+TWO_CALLS_REGEX = (
+    r'<tool_call>\{"name": "(get_weather|weather_in_paris)", "arguments": \{"city": "paris", '
+    r'"unit": "celsius"\}\}</tool_call><tool_call>\{"name": "get_time", "arguments": '
+    r'\{"zone": "UTC"\}\}</tool_call>'
+)
+
+
+def test_undeclared_and_extra_calls_are_dropped_without_a_grammar(client, caplog):
+    undeclared = TWO_CALLS_REGEX.replace("(get_weather|weather_in_paris)", "weather_in_paris")
+    with caplog.at_level("WARNING", logger="pagedllm.entrypoints.openai.tools"):
+        for stream in (False, True):
+            kwargs = {"tools": TOOLS, "extra_body": {"guided_regex": undeclared}}
+            if stream:
+                _, streamed, finish = _stream_calls(client, **kwargs)
+                names = [c["name"] for c in streamed.values()]
+                assert sorted(streamed) == [0]  # the kept call is renumbered
+            else:
+                choice = chat(client, **kwargs).choices[0]
+                names, finish = [c.function.name for c in choice.message.tool_calls], None
+                finish = choice.finish_reason
+            assert names == ["get_time"] and finish == "tool_calls"
+    assert "'weather_in_paris', a function the request did not declare" in caplog.text
+    declared = TWO_CALLS_REGEX.replace("(get_weather|weather_in_paris)", "get_weather")
+    both = chat(client, tools=TOOLS, extra_body={"guided_regex": declared}).choices[0]
+    assert [c.function.name for c in both.message.tool_calls] == ["get_weather", "get_time"]
+    one = chat(
+        client, tools=TOOLS, parallel_tool_calls=False, extra_body={"guided_regex": declared}
+    ).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_weather"]
+
+
+def test_auto_grammar_admits_only_declared_calls(tiny_llama):
+    """The "auto" grammar itself, on the tiny model's vocabulary: free text, then from
+    <tool_call> only declared functions with valid arguments; one call unless parallel."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints.openai.structural import as_params
+    from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+    from pagedllm.entrypoints.openai.tools import call_schemas, tool_mode
+    from pagedllm.structured_output.backend import XGrammarBackend
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    backend = XGrammarBackend(tok, 320, [tok.eos_token_id])
+    functions = tool_mode(TOOLS, "auto").functions
+
+    def matcher(parallel: bool) -> xgr.GrammarMatcher:
+        fmt = HermesToolParser.call_format(call_schemas(functions, "arguments"), parallel)
+        return backend.matcher(backend.compile(as_params(fmt))).matcher
+
+    good = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert matcher(True).accept_string("Let me see. " + good + " ok " + good)
+    assert not matcher(True).accept_string('<tool_call>{"name": "weather_in_paris"')
+    assert not matcher(True).accept_string('<tool_call>{"name": "get_time", "arguments": {"city"')
+    single = matcher(False)
+    assert single.accept_string("Let me see. " + good)
+    assert not single.accept_string(" ")  # nothing may follow the one call
+    assert single.accept_token(tok.eos_token_id) and single.is_terminated()

@@ -140,10 +140,18 @@ def test_auto_tool_choice_needs_a_parser():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
     model = ServedModel(names=["m"], path="m", max_model_len=64)
     with pytest.raises(ServingError, match="--tool-call-parser"):
-        OpenAIServingChat(NoEngine(), model)._constraint(req, tool_mode(TOOLS, None))
+        OpenAIServingChat(NoEngine(), model)._constraint(req, tool_mode(TOOLS, None), "")
     with_parser = OpenAIServingChat(NoEngine(), model, tool_call_parser="hermes")
-    assert with_parser._constraint(req, tool_mode(TOOLS, None)) is None
-    assert with_parser._constraint(req, tool_mode(TOOLS, "required")).kind == "json"
+    # "auto": free text, and from <tool_call> on only the declared functions
+    auto = with_parser._constraint(req, tool_mode(TOOLS, None), "")
+    assert auto.kind == "structural_tag"
+    (tag,) = json.loads(auto.structural_tag)["format"]["tags"]
+    names = [
+        c["properties"]["name"]["const"]
+        for c in tag["content"]["elements"][1]["json_schema"]["anyOf"]
+    ]
+    assert names == [t["function"]["name"] for t in TOOLS]
+    assert with_parser._constraint(req, tool_mode(TOOLS, "required"), "").kind == "json"
 
 
 def test_required_streams_each_call_when_complete():
@@ -153,3 +161,27 @@ def test_required_streams_each_call_when_complete():
     assert [(tc.index, tc.name) for tc in delta.tool_calls] == [(0, "get_time")]
     assert json.loads(delta.tool_calls[0].arguments) == {"zone": "UTC"}
     assert not parser.stream(first + "eather", finished=False)
+
+
+def test_required_cut_short_keeps_its_complete_calls():
+    parser = ConstrainedToolParser(tool_mode(TOOLS, "required"))
+    cut = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_wea'
+    extracted = parser.extract(cut)
+    assert [(c.name, json.loads(c.arguments)) for c in extracted.tool_calls] == [
+        ("get_time", {"zone": "UTC"})
+    ]
+    assert extracted.content is None
+    assert parser.extract('[{"name": "get_ti').content == '[{"name": "get_ti'
+
+
+def test_chat_template_flag_takes_a_file_inline_text_or_a_builtin(tmp_path):
+    from pagedllm.entrypoints.openai.chat_templates import CHATML_TOOLS, load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{% for m in messages %}x{% endfor %}").startswith("{% for")
+    assert load_chat_template("chatml_tools") == CHATML_TOOLS
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="not a file, an inline Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

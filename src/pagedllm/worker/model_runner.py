@@ -30,6 +30,7 @@ from pagedllm.dtypes import torch_dtype
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
 from pagedllm.worker.spec_decode.speculator import Speculator
 
@@ -62,6 +63,8 @@ class ModelOutput:
 class ModelRunner:
     """Takes only the configs it reads: the model, the KV cache's budget and block size,
     the scheduler's limits (for the profiling run and the useful cache size) and the device."""
+
+    pooler: Pooler | None = None  # embeddings: sees each step's hidden states (pooler.py)
 
     def __init__(
         self,
@@ -263,6 +266,8 @@ class ModelRunner:
         self.release(out.finished_seq_ids)
         inp = self.prepare_input(out)
         hidden = self.forward(inp)
+        if self.pooler is not None:
+            self.pooler.observe(out, hidden)
         if self.speculator is not None:
             self.speculator.catch_up(inp)
         return self.compute_output(inp, hidden)

@@ -7,6 +7,7 @@ import argparse
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
+from pagedllm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
 from pagedllm.entrypoints.openai.tool_parsers import tool_parser_names
 
 
@@ -85,6 +86,31 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         help='how tool calls are read from the output for tool_choice "auto" (vLLM\'s names)',
     )
     server.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parser_names(),
+        default=None,
+        help="split <think> text from the answer into reasoning_content (vLLM's names)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template: a file, an inline Jinja template, or chatml_tools (ChatML "
+        "with tools and Hermes <tool_call> blocks) (default: the tokenizer's)",
+    )
+    server.add_argument(
+        "--runner",
+        choices=["generate", "pooling"],
+        default="generate",
+        help="pooling: also serve /v1/embeddings (pooled hidden states of a decoder model)",
+    )
+    server.add_argument(
+        "--pooling-type",
+        choices=["last", "mean"],
+        default="last",
+        help="with --runner pooling: the last prompt token's hidden state, or the mean of all "
+        "(mean needs --no-enable-prefix-caching)",
+    )
+    server.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
@@ -121,4 +147,8 @@ def _serve(ns: argparse.Namespace) -> int:
         metrics_need_api_key=not ns.disable_metrics_auth,
         max_request_bytes=ns.max_request_bytes,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        chat_template=ns.chat_template,
+        runner=ns.runner,
+        pooling_type=ns.pooling_type,
     )

@@ -42,7 +42,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     413: _error("The request body is larger than the server's limit."),
 }
 MODEL_RESPONSES = {**ERRORS, 404: _error("The model does not exist (code `model_not_found`).")}
-_GENERATION_ERRORS = {
+GENERATION_ERRORS = {
     **MODEL_RESPONSES,
     500: _error("The engine failed while running the request."),
     503: _error("The engine is overloaded (`server_overloaded`) or dead (`engine_dead`)."),
@@ -76,7 +76,7 @@ COMPLETION_RESPONSES = {
         "description": "The completion",
         "content": _sse("CompletionResponse"),
     },
-    **_GENERATION_ERRORS,
+    **GENERATION_ERRORS,
 }
 CHAT_RESPONSES = {
     200: {
@@ -84,7 +84,40 @@ CHAT_RESPONSES = {
         "description": "The chat completion",
         "content": _sse("ChatCompletionChunk"),
     },
-    **_GENERATION_ERRORS,
+    **GENERATION_ERRORS,
+}
+
+
+def _responses_events() -> dict[str, Any]:
+    """The Responses API's stream: events named by their type, data a JSON object."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+        },
+    }
+    return {"text/event-stream": {"schema": event}}
+
+
+RESPONSES_RESPONSES = {
+    200: {
+        "description": "The response object (OpenAI's Response), or its events with "
+        "stream: true (response.created ... response.completed)",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            **_responses_events(),
+        },
+    },
+    **GENERATION_ERRORS,
+}
+RESPONSE_RETRIEVE = {
+    200: {
+        "description": "A stored response",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    404: _error("No stored response has this id (code `response_not_found`)."),
 }
 HEALTH_RESPONSES = {
     200: {"model": HealthResponse, "description": "The engine serves requests."},

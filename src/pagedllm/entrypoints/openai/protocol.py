@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_serializer,
+)
 
 from pagedllm.sampling_params import MAX_LOGPROBS
 
@@ -24,7 +31,15 @@ CROSS_FIELD_RULES = {
     "invalid_output_constraint": "an output constraint or tool list that does not compile "
     "(a JSON schema, regex or grammar the grammar engine rejects, a tool_choice naming no "
     "given tool, two constraints at once)",
+    "invalid_function_arguments": "a function_call item (or a tool call) whose arguments "
+    "are not JSON text",
+    "dimensions_not_supported": "embedding dimensions the model was not trained to be cut "
+    "to (its config's matryoshka_dimensions)",
 }
+# Arguments of apply_chat_template the server sets itself (chat_template_kwargs may not).
+RESERVED_KWARGS = frozenset(
+    {"chat_template", "tokenize", "conversation", "messages", "add_generation_prompt"}
+)
 # Marks a token-id field; the served app fills in the model's vocabulary size as its maximum.
 TOKEN_ID_MARK = "x-token-id"
 MAX_N = 128  # most choices per prompt (OpenAI's limit); the engine enforces the same
@@ -156,25 +171,20 @@ class ChatCompletionRequest(SamplingFields):
     )
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
-    parallel_tool_calls: bool | None = None  # accepted; calls are never limited to one
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call (the grammar allows no second)"
+    )
+    thinking_token_budget: Int(ge=0) | None = Field(
+        None,
+        description="with --reasoning-parser: the most tokens of reasoning; then the grammar "
+        "closes the reasoning block",
+    )
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         description="extra variables of the chat template (chat_template, tokenize, "
         "conversation, messages and add_generation_prompt are not allowed)",
-        json_schema_extra={
-            "propertyNames": {
-                "not": {
-                    "enum": [
-                        "chat_template",
-                        "tokenize",
-                        "conversation",
-                        "messages",
-                        "add_generation_prompt",
-                    ]
-                }
-            }
-        },
+        json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}},
     )
 
 
@@ -257,6 +267,7 @@ class DeltaToolCall(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> text
     tool_calls: list[ToolCall] | None = None
 
 
@@ -280,6 +291,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -369,3 +381,149 @@ class TokenizerInfo(OpenAIModel):
     pad_token: str | None = None
     chat_template: str | None = None
     model_max_length: int
+
+
+# ---- the Responses API (/v1/responses) ---------------------------------------------------
+class InputTextPart(OpenAIRequest):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessageItem(OpenAIRequest):
+    """A message of the conversation (``type`` may be left out, as OpenAI allows)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(OpenAIRequest):
+    """A call the model made earlier (sent back with its output)."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    arguments: str  # JSON text
+
+
+class FunctionCallOutputItem(OpenAIRequest):
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str
+
+
+class ReasoningInputItem(OpenAIRequest):
+    """An earlier reasoning item sent back (agents do): not part of the next prompt."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
+
+
+def _not_only_reasoning(items: list[Any]) -> list[Any]:
+    if all(isinstance(item, ReasoningInputItem) for item in items):
+        raise ValueError("input needs a message or a function call, not only reasoning items")
+    return items
+
+
+# At least one item that is not a reasoning item (the schema says so too).
+InputItems = Annotated[
+    list[InputItem],
+    Field(
+        min_length=1,
+        json_schema_extra={
+            "contains": {
+                "not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}
+            }
+        },
+    ),
+    AfterValidator(_not_only_reasoning),
+]
+
+
+class FunctionTool(OpenAIRequest):
+    type: Literal["function"]
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema here
+
+
+class NamedFunctionChoice(OpenAIRequest):
+    type: Literal["function"]
+    name: NonEmptyStr
+
+
+class TextFormat(OpenAIRequest):
+    """``text.format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(OpenAIRequest):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(OpenAIRequest):
+    model: str | None = None
+    input: NonEmptyStr | InputItems
+    instructions: str | None = None  # a system message for this response only
+    previous_response_id: str | None = None  # continue a stored response's conversation
+    store: bool = True  # keep this response for previous_response_id
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: Int(ge=1) | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # accepted; the reasoning parser decides
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="extra variables of the chat template, as on chat completions "
+        "(enable_thinking: false turns Qwen3's thinking off)",
+        json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}},
+    )
+
+
+# ---- embeddings (/v1/embeddings) ---------------------------------------------------------
+class EmbeddingRequest(OpenAIRequest):
+    model: str | None = None
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | PromptIds
+        | Annotated[list[PromptIds], Field(min_length=1)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int(ge=1) | None = Field(
+        None, description="keep the first dimensions (models trained for it: Matryoshka)"
+    )
+    user: str | None = None  # accepted for compatibility; not used
+    normalize: bool = Field(True, description="scale each vector to unit length (vLLM's extra)")
+
+
+class EmbeddingData(OpenAIModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 values, little-endian
+
+
+class EmbeddingUsage(OpenAIModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

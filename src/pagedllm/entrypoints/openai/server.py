@@ -31,14 +31,18 @@ from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineError,
 )
+from pagedllm.entrypoints.openai.chat_templates import load_chat_template
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedllm.entrypoints.openai.openapi import (
     CHAT_RESPONSES,
     COMPLETION_RESPONSES,
     ERRORS,
+    GENERATION_ERRORS,
     HEALTH_RESPONSES,
     METRICS_RESPONSES,
     MODEL_RESPONSES,
+    RESPONSE_RETRIEVE,
+    RESPONSES_RESPONSES,
     HealthResponse,
     VersionResponse,
     install_openapi,
@@ -48,8 +52,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
@@ -60,12 +67,16 @@ from pagedllm.entrypoints.openai.serving import (
     ServedModel,
     ServingError,
     model_not_found,
+    warning_header,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, attach_pooler
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.monitor import InferenceMonitor, MonitorStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +90,10 @@ def build_app(
     metrics_need_api_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
+    runner: str = "generate",
+    pooling_type: str = "last",
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
@@ -86,11 +101,14 @@ def build_app(
     wants ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes`` get a 413.
     ``app.state`` holds ``engine`` (AsyncLLMEngine), ``served_model``, ``metrics``
     (PrometheusStatLogger) and ``monitor`` (an InferenceMonitor on the same registry).
+    ``chat_template`` (a file, an inline template or a built-in name, see chat_templates.py)
+    replaces the tokenizer's; ``tool_call_parser`` and ``reasoning_parser`` are vLLM's names.
+    ``runner="pooling"`` serves /v1/embeddings (``pooling_type`` "last" or "mean").
     """
     owned = isinstance(engine, EngineArgs)
     if isinstance(engine, EngineArgs):
         engine = AsyncLLMEngine.from_engine_args(engine, max_waiting_requests)
-    model = served_model(engine, served_model_names)
+    model = served_model(engine, served_model_names, load_chat_template(chat_template))
     metrics = PrometheusStatLogger(
         model.name, model.max_model_len, cache_info(engine), process_metrics=True
     )
@@ -113,7 +131,9 @@ def build_app(
     app.state.monitor = InferenceMonitor(metrics.registry, {"model_name": model.name})
     engine.engine.add_stat_logger(MonitorStatLogger(app.state.monitor))
     _add_error_handlers(app)
-    _add_routes(app, engine, model, metrics, tool_call_parser)
+    pooler = attach_pooler(engine, pooling_type) if runner == "pooling" else None
+    app.state.pooler = pooler
+    _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser, pooler)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     vocab_size = engine.engine.config.model.hf_config.vocab_size
     install_openapi(app, vocab_size, open_paths if api_key is not None else None)
@@ -126,7 +146,9 @@ def build_app(
     return app
 
 
-def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedModel:
+def served_model(
+    engine: AsyncLLMEngine, names: Sequence[str] | None, chat_template: str | None = None
+) -> ServedModel:
     """The served names: as given, else the model folder as given (clients that load the
     tokenizer, such as lm-evaluation-harness, find it there, as with vLLM) and its name."""
     config = engine.engine.config
@@ -136,6 +158,7 @@ def served_model(engine: AsyncLLMEngine, names: Sequence[str] | None) -> ServedM
         names=list(dict.fromkeys(names or default)),
         path=os.path.abspath(model),
         max_model_len=config.scheduler.max_model_len,
+        chat_template=chat_template,
     )
 
 
@@ -162,6 +185,13 @@ def cache_info(engine: AsyncLLMEngine) -> dict[str, str]:
 
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"), status_code=status)
+
+
+def _with_warnings(response: Response, raw: Request) -> Response:
+    header = warning_header(raw)
+    if header is not None:
+        response.headers["Warning"] = header
+    return response
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -210,12 +240,17 @@ def _add_routes(
     model: ServedModel,
     metrics: PrometheusStatLogger,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    pooler: Pooler | None = None,
 ) -> None:
     from pagedllm import __version__
 
     base = OpenAIServing(engine, model)
     completion = OpenAIServingCompletion(engine, model)
-    chat = OpenAIServingChat(engine, model, tool_call_parser)
+    chat = OpenAIServingChat(engine, model, tool_call_parser, reasoning_parser)
+    responses = OpenAIServingResponses(chat)
+    embedding = OpenAIServingEmbedding(engine, model, pooler)
+    app.state.responses = responses
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -255,7 +290,25 @@ def _add_routes(
     @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         result = await chat.create(req, raw)
-        return result if isinstance(result, Response) else _json(result)
+        return _with_warnings(result if isinstance(result, Response) else _json(result), raw)
+
+    @app.post("/v1/responses", response_model=None, responses=RESPONSES_RESPONSES)
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API: one response, streamed as its events with stream: true."""
+        result = await responses.create(req, raw)
+        response = result if isinstance(result, Response) else JSONResponse(result)
+        return _with_warnings(response, raw)
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=RESPONSE_RETRIEVE)
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
+
+    if pooler is not None:  # --runner pooling
+
+        @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=GENERATION_ERRORS)
+        async def embeddings(req: EmbeddingRequest, raw: Request) -> JSONResponse:
+            """Pooled final hidden states of each input."""
+            return _json(await embedding.create(req, raw))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=MODEL_RESPONSES)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
@@ -303,9 +356,12 @@ def startup_banner(app: FastAPI, host: str, port: int) -> str:
     per_request = kv.blocks_for(model.max_model_len)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{port}"
+    routes = "completions, chat/completions, responses, models"
+    if app.state.pooler is not None:
+        routes += ", embeddings"
     lines = [
         "pagedllm OpenAI-compatible server",
-        f"  URL          {url}/v1   (completions, chat/completions, models)",
+        f"  URL          {url}/v1   ({routes})",
         f"  model        {model.name}" + (f"  ({model.path})" if model.path != model.name else ""),
         f"  dtype        {config.model.dtype}",
         f"  device       {config.device.device}",

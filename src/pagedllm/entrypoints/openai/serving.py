@@ -27,6 +27,7 @@ from pagedllm.engine.async_engine import (
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.engine.tokenizer import encode_text
 from pagedllm.entrypoints.openai.protocol import (
+    RESERVED_KWARGS,
     ChatMessage,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -72,9 +73,10 @@ class ClientDisconnected(Exception):
 
 @dataclass(frozen=True)
 class ServedModel:
-    names: list[str]  # names clients may use; the first is reported back and in metrics
+    names: list[str]  # names clients may use; the first is the default and in metrics
     path: str  # the model folder
     max_model_len: int
+    chat_template: str | None = None  # --chat-template (None: the tokenizer's own)
 
     @property
     def name(self) -> str:
@@ -101,6 +103,11 @@ class OpenAIServing:
         self.vocab_size: int = engine.engine.config.model.hf_config.vocab_size
         self._token_texts: dict[int, str] = {}
 
+    def response_model(self, requested: str | None) -> str:
+        """The ``model`` of a response: the name the request used (as OpenAI and vLLM
+        answer), else the served model's first name."""
+        return requested if requested is not None else self.model.name
+
     # ---- request checks ------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         """A 404 (OpenAI's answer) unless name is None or a name of the served model."""
@@ -121,7 +128,8 @@ class OpenAIServing:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text of a conversation, by the tokenizer's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = self.model.chat_template
+        if not template and not getattr(self.tokenizer, "chat_template", None):
             raise ServingError(
                 "the model's tokenizer has no chat template.",
                 param="messages",
@@ -139,6 +147,8 @@ class OpenAIServing:
         extra = dict(template_kwargs or {})
         if tools:
             extra["tools"] = tools  # templates of tool-tuned models list them in the prompt
+        if template:
+            extra["chat_template"] = template
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -263,7 +273,7 @@ class OpenAIServing:
 
     def tokenizer_info(self) -> TokenizerInfo:
         tok = self.tokenizer
-        chat_template = getattr(tok, "chat_template", None)
+        chat_template = self.model.chat_template or getattr(tok, "chat_template", None)
         return TokenizerInfo(
             tokenizer_class=type(tok).__name__,
             tokenizer_path=os.path.abspath(self.engine.engine.config.model.tokenizer),
@@ -293,9 +303,7 @@ class OpenAIServing:
 
 
 # Arguments of apply_chat_template the server sets itself (a request may not replace them).
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"chat_template", "tokenize", "conversation", "messages", "add_generation_prompt"}
-)
+RESERVED_TEMPLATE_KWARGS = RESERVED_KWARGS
 
 
 def int64_seed(seed: int, n: int) -> int:
@@ -360,6 +368,21 @@ def constraint_error(message: str, param: str | None = None) -> ServingError:
     """A 400 for an output constraint or a tool list that no schema can rule out: what the
     grammar engine or the tool rules refuse (code ``invalid_output_constraint``)."""
     return ServingError(message, param=param, code="invalid_output_constraint")
+
+
+def add_warning(raw: Request, text: str) -> None:
+    """A warning for the response's ``Warning`` header (see ``warning_header``)."""
+    if not hasattr(raw.state, "warnings"):
+        raw.state.warnings = []
+    raw.state.warnings.append(text)
+
+
+def warning_header(raw: Request) -> str | None:
+    """RFC 9111's ``Warning: 299 pagedllm "..."`` for what the request did not get."""
+    texts = getattr(raw.state, "warnings", None)
+    if not texts:
+        return None
+    return ", ".join('299 pagedllm "{}"'.format(t.replace('"', "'")) for t in texts)
 
 
 def bad_request(error: ValueError, req: BaseModel | None = None) -> ServingError:

@@ -79,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for p in prompts
         ]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        header = ChunkHeader(request_id, self.model.name)
+        header = ChunkHeader(request_id, self.response_model(req.model))
         result = await self.respond(
             raw, request_id, requests, req.stream, lambda s: self._stream(req, header, s, echoes)
         )
@@ -92,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = i * req.n + comp.index
                 choices.append(self._choice(req, index, comp, echoes[i], out.prompt_logprobs))
         return CompletionResponse(
-            id=request_id, model=self.model.name, choices=choices, usage=usage_info(finals)
+            id=request_id, model=header.model, choices=choices, usage=usage_info(finals)
         )
 
     def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict]:

@@ -5,13 +5,19 @@ which the ``--tool-call-parser`` turns into tool_calls; "required" and a named f
 constrain the output with a JSON schema built from the functions' parameter schemas (as vLLM
 does), so the calls parse and their arguments validate:
     named function -> the output is that function's arguments object;
-    "required"     -> the output is a JSON array of {"name": ..., "parameters": {...}}.
+    "required"     -> the output is a JSON array of {"name": ..., "parameters": {...}}
+                      (of one element when parallel_tool_calls is false).
+In "auto" the text is free until the parser's call marker (``<tool_call>``); from there the
+grammar admits only a declared function with valid arguments, and after the first call
+nothing more when parallel_tool_calls is false. Where no grammar applies (a request that
+brings its own output constraint), calls of undeclared functions are dropped with a warning.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.serving import constraint_error
@@ -25,6 +31,8 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 )
 from pagedllm.entrypoints.openai.tool_parsers.hermes import json_value_end
 from pagedllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ class ToolMode:
     kind: str  # "none" | "auto" | "required" | "named"
     functions: tuple[FunctionSpec, ...] = ()
     named: str | None = None  # the function of "named"
+    parallel: bool = True  # parallel_tool_calls: more than one call allowed
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.functions)
 
     @property
     def constrained(self) -> bool:
@@ -75,32 +88,47 @@ class ToolMode:
             fn = next(f for f in self.functions if f.name == self.named)
             return StructuredOutputsParams(json=fn.parameters, disable_any_whitespace=True)
         if self.kind == "required":
-            schema = required_schema(self.functions)
+            schema = required_schema(self.functions, self.parallel)
             return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return None
 
 
-def required_schema(functions: tuple[FunctionSpec, ...]) -> dict[str, Any]:
-    """A JSON array of one or more calls, each naming a function and valid arguments."""
-    calls = [
+def call_schemas(functions: tuple[FunctionSpec, ...], arguments_key: str) -> list[dict[str, Any]]:
+    """One schema per function: an object naming it and holding valid arguments."""
+    return [
         {
             "type": "object",
-            "properties": {"name": {"const": f.name}, "parameters": f.parameters},
-            "required": ["name", "parameters"],
+            "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
+            "required": ["name", arguments_key],
         }
         for f in functions
     ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
-def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode:
+def required_schema(functions: tuple[FunctionSpec, ...], parallel: bool = True) -> dict[str, Any]:
+    """A JSON array of one or more calls (exactly one unless parallel), each naming a
+    function and valid arguments."""
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": call_schemas(functions, "parameters")},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_mode(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None
+) -> ToolMode:
     functions = tuple(parse_tools(tools))
+    parallel = parallel_tool_calls is not False  # OpenAI's default: parallel calls allowed
     if tool_choice is None:
-        return ToolMode("auto" if functions else "none", functions)
+        return ToolMode("auto" if functions else "none", functions, parallel=parallel)
     if tool_choice in ("none", "auto", "required"):
         if tool_choice != "none" and not functions:
             raise constraint_error(f'tool_choice "{tool_choice}" needs tools.', param="tool_choice")
-        return ToolMode(tool_choice, functions)
+        return ToolMode(tool_choice, functions, parallel=parallel)
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") == "function" and isinstance(name, str):
@@ -108,7 +136,7 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode:
                 raise constraint_error(
                     f"tool_choice names {name!r}, which is not in tools.", param="tool_choice"
                 )
-            return ToolMode("named", functions, name)
+            return ToolMode("named", functions, name, parallel)
     raise constraint_error(
         'tool_choice must be "none", "auto", "required" or {"type": "function", '
         '"function": {"name": ...}}.',
@@ -149,8 +177,12 @@ class ConstrainedToolParser(ToolParser):
             return ExtractedToolCalls([ParsedToolCall(self.mode.named or "", text, self._id)], None)
         try:
             calls = json.loads(text)
-        except json.JSONDecodeError:  # cut short by max_tokens: report the text
-            return ExtractedToolCalls([], text)
+        except json.JSONDecodeError:
+            # Cut short by max_tokens: the calls that are complete are still calls (the
+            # finish reason says "length"); with none complete the text is all there is.
+            calls = _complete_elements(text)
+            if not calls:
+                return ExtractedToolCalls([], text)
         return ExtractedToolCalls(
             [
                 ParsedToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
@@ -184,3 +216,44 @@ class ConstrainedToolParser(ToolParser):
         if finished and not self._sent:  # cut short before a call was complete
             out.content = text
         return out
+
+
+@dataclass
+class DeclaredCallsOnly(ToolParser):
+    """A parser's calls, less those of undeclared functions and, unless parallel calls are
+    allowed, all but the first. A grammar rules these out where one applies; this is the
+    rule where none does (the request brought its own output constraint)."""
+
+    inner: ToolParser
+    mode: ToolMode
+    _kept: dict[int, int | None] = field(default_factory=dict)  # inner index -> ours
+
+    def _keep(self, name: str, count: int) -> bool:
+        if name not in self.mode.names:
+            logger.warning("dropped a call of %r, a function the request did not declare", name)
+            return False
+        if count >= 1 and not self.mode.parallel:
+            logger.warning("dropped a second tool call: parallel_tool_calls is false")
+            return False
+        return True
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        extracted = self.inner.extract(text)
+        calls: list[ParsedToolCall] = []
+        for call in extracted.tool_calls:
+            if self._keep(call.name, len(calls)):
+                calls.append(call)
+        return ExtractedToolCalls(calls, extracted.content)
+
+    def stream(self, text: str, finished: bool) -> StreamedDelta:
+        delta = self.inner.stream(text, finished)
+        kept: list[ToolCallDelta] = []
+        for piece in delta.tool_calls:
+            if piece.index not in self._kept:  # a call's first delta names its function
+                count = sum(v is not None for v in self._kept.values())
+                self._kept[piece.index] = count if self._keep(piece.name or "", count) else None
+            ours = self._kept[piece.index]
+            if ours is not None:
+                piece.index = ours
+                kept.append(piece)
+        return StreamedDelta(delta.content, kept)

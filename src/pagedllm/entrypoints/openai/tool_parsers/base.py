@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def new_tool_call_id() -> str:
@@ -51,6 +52,14 @@ class StreamedDelta:
 
 class ToolParser(ABC):
     """Parses one choice's output. One instance per choice: streaming keeps state."""
+
+    @classmethod
+    def call_format(cls, calls: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """The grammar of free text with calls in this parser's format, as an xgrammar
+        structural-tag format: ``calls`` are JSON schemas of {"name", "arguments"} objects
+        (one per declared function); with ``parallel`` false, nothing may follow the first
+        call. None: the format cannot be written as a grammar (calls are then filtered)."""
+        return None
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls:

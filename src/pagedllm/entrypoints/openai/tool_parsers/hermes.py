@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
@@ -62,6 +63,25 @@ class _StreamedCall:
 
 
 class HermesToolParser(ToolParser):
+    @classmethod
+    def call_format(cls, calls: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        # Templates write "<tool_call>\n{...}\n</tool_call>"; the newlines are optional so
+        # that a model trained on either spacing keeps its own.
+        body = {
+            "type": "sequence",
+            "elements": [
+                {"type": "regex", "pattern": r"\n?"},
+                {"type": "json_schema", "json_schema": {"anyOf": calls}, "max_whitespace_cnt": 4},
+                {"type": "regex", "pattern": r"\n?"},
+            ],
+        }
+        return {
+            "type": "triggered_tags",
+            "triggers": [START],
+            "tags": [{"type": "tag", "begin": START, "content": body, "end": END}],
+            "stop_after_first": not parallel,
+        }
+
     def __init__(self) -> None:
         self._content_sent = 0
         self._calls: list[_StreamedCall] = []
