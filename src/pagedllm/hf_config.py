@@ -183,3 +183,19 @@ def _transformers_config(folder: Path, model_type: object) -> Any:
         return AutoConfig.from_pretrained(str(folder))
     except (ValueError, KeyError) as e:
         raise ValueError(f"cannot read {folder / 'config.json'}: {e}") from e
+
+
+def config_from_dict(raw: dict[str, Any], origin: str) -> Any:
+    """A config from config.json-style fields read elsewhere (a GGUF file's metadata): an
+    HFConfig for the types read here, transformers' config class for the others."""
+    if raw.get("model_type") in MODEL_DEFAULTS:
+        return from_dict(raw)
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ValueError(
+            f"model_type {raw.get('model_type')!r} of {origin} needs transformers to read; "
+            f"pagedllm reads {', '.join(MODEL_DEFAULTS)} itself."
+        ) from e
+    fields = dict(raw)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)

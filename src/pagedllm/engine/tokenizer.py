@@ -1,6 +1,7 @@
 """Tokenizer loading and EOS ids of the model.
 
-A folder with a tokenizer.json that transformers uses as it is loads as a FastTokenizer
+A GGUF file's vocabulary is built into the same FastTokenizer (engine/gguf_tokenizer.py). A
+folder with a tokenizer.json that transformers uses as it is loads as a FastTokenizer
 (``tokenizers`` + ``jinja2``: no transformers import, which costs seconds at start-up);
 other folders (slow sentencepiece tokenizers, classes that rewrite the post-processor) go
 through transformers' AutoTokenizer when it is installed.
@@ -15,8 +16,13 @@ from typing import Any
 
 def load_tokenizer(path: str) -> Any:
     from pagedllm.engine.fast_tokenizer import FastTokenizer, is_plain
+    from pagedllm.models.gguf_loader import is_gguf
 
     try:
+        if is_gguf(path):
+            from pagedllm.engine.gguf_tokenizer import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(path)
         if is_plain(path):
             return FastTokenizer(path)
         from transformers import AutoTokenizer

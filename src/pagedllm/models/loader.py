@@ -1,4 +1,5 @@
-"""Build a model from a local Hugging Face folder and stream its safetensors weights in."""
+"""Build a model and stream its weights in from its source (a Hugging Face folder's
+safetensors or a GGUF file's tensors: pagedllm.models.sources)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.distributed.parallel_state import model_parallel
 from pagedllm.models.registry import get_model_class
+from pagedllm.models.sources import open_source
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ def load_model(config: ModelConfig, device: torch.device, comm: Communicator = S
 
         quant = DynamicQuantConfig.from_config(config.quant_config)
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
-    load_weights(model, iterate_weights(Path(config.model)))
+    load_weights(model, open_source(config.model).iterate_weights(DTYPES[config.dtype]))
     if quant is not None:
         quant.finish_loading(model)
     return model.eval()
