@@ -27,8 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 _ENGINE_FLAG_HELP = {
-    "model": "local Hugging Face model folder (default: the bundled demo model)",
-    "tokenizer": "tokenizer folder (default: the model's)",
+    "model": "Hugging Face model folder, GGUF file or hub id (default: generate, chat and "
+    "serve fetch SmolLM2-135M-Instruct on first use; other tools: the bundled demo model)",
+    "tokenizer": "tokenizer folder, GGUF file or hub id (default: the model's)",
+    "revision": "hub ids: the branch, tag or commit to load",
     "dtype": "auto | float32 | bfloat16 | float16",
     "seed": "random seed",
     "max_model_len": "longest prompt + output, in tokens (default: the model's)",
@@ -98,12 +100,22 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         )
 
 
+# Without --model these run SmolLM2-135M-Instruct (fetched on first use); the other tools
+# and the Python API keep the bundled demo model as their default.
+FIRST_RUN_COMMANDS = ("generate", "chat", "serve")
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {
         f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
     }
     model = getattr(ns, "model_pos", None) or kwargs.pop("model", None)
     kwargs.pop("model", None)
+    if model is None and getattr(ns, "command", None) in FIRST_RUN_COMMANDS:
+        from pagedllm.config import default_model_path
+        from pagedllm.models.default_model import first_run_model
+
+        model = first_run_model(default_model_path())
     return EngineArgs(**kwargs) if model is None else EngineArgs(model=model, **kwargs)
 
 
