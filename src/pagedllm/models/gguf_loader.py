@@ -134,6 +134,10 @@ def gguf_config_dict(file: GGUFFile) -> dict[str, Any]:
         raw["vocab_size"] = len(file.value("tokenizer.ggml.tokens") or ())
     if file.arch == "llama" and "head_dim" not in raw:
         raw["head_dim"] = file.arch_value("rope.dimension_count")
+    if file.arch == "qwen2" and raw.get("head_dim") == raw["hidden_size"] // raw.get(
+        "num_attention_heads", 1
+    ):
+        del raw["head_dim"]  # Qwen2's config.json has none: hidden_size / heads
     raw["tie_word_embeddings"] = "output.weight" not in file.tensor_names
     _rope_scaling(file, raw)
     if file.arch == "gemma3":
@@ -192,7 +196,11 @@ def _gemma3_fields(file: GGUFFile, raw: dict[str, Any]) -> None:
         "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
         for i in range(layers)
     ]
-    raw["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
+    # config.json's form: a rotary setting per layer type
+    full = {"rope_type": "default", "rope_theta": float(raw.pop("rope_theta", 1e6))}
+    full |= raw.pop("rope_scaling", None) or {}
+    local = {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}
+    raw["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     # llama.cpp scales queries by 1/sqrt(head_dim), Gemma 3's query_pre_attn_scalar
     raw["query_pre_attn_scalar"] = raw.get("head_dim")
     raw["tie_word_embeddings"] = True  # Gemma's output head is always its embedding
