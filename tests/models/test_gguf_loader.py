@@ -192,8 +192,7 @@ def test_k_quant_blocks_dequantize_and_stay_reachable(tmp_path, kind):
     path = write_raw_tensor_gguf(
         tmp_path / "k.gguf", "qwen2", {"blk.0.ffn_down.weight": (blocks, kind)}
     )
-    config = type("C", (), {"num_hidden_layers": 1, "num_attention_heads": 1})()
-    config.num_key_value_heads = 1
+    config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)
     (tensor,) = iterate_gguf_tensors(open_gguf(path), config)
     assert tensor.name == "model.layers.0.mlp.down_proj.weight" and tensor.ggml_type == kind
     assert tensor.shape == (rows, cols)
