@@ -119,8 +119,9 @@ def test_chat_template_comes_from_the_file(spm_files):
         {"role": "user", "content": "héllo 🤖"},
     ]
     for prompt in (True, False):
-        want = theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=prompt)
-        text = ours.apply_chat_template(conversation, tokenize=False, add_generation_prompt=prompt)
+        kw = dict(tokenize=False, add_generation_prompt=prompt)
+        want = theirs.apply_chat_template(conversation, **kw)
+        text = ours.apply_chat_template(conversation, **kw)
         assert text == want
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(
             text, add_special_tokens=False
