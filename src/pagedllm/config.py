@@ -206,7 +206,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
-        from pagedllm.models.hub import resolve_model
+        from pagedllm.hub import resolve_model
 
         model = resolve_model(self.model, self.revision)
         tokenizer = resolve_model(self.tokenizer, self.revision) if self.tokenizer else model
@@ -397,9 +397,9 @@ def architecture_of(hf_config: Any) -> str:
 def load_hf_config(model: str) -> Any:
     """The config of a local model folder or GGUF file, with clear errors for the usual
     mistakes."""
-    from pagedllm.models.sources import open_source
+    from pagedllm.hf_config import read_model_config
 
-    return open_source(model).read_config()
+    return read_model_config(model)
 
 
 def _max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -199,3 +199,34 @@ def config_from_dict(raw: dict[str, Any], origin: str) -> Any:
         ) from e
     fields = dict(raw)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def model_kind(model: str | Path) -> str:
+    """ "folder" or "gguf" for a local model path; ValueError naming what to pass otherwise."""
+    from pagedllm.gguf_metadata import is_gguf
+
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {str(model)!r} has no config.json.")
+        return "folder"
+    if is_gguf(path):
+        return "gguf"
+    if path.is_file():
+        raise ValueError(
+            f"model {str(model)!r} is a file but not a GGUF file; pass a GGUF file, a local "
+            "Hugging Face model folder (config.json + *.safetensors) or a hub id (org/name)."
+        )
+    raise ValueError(
+        f"model {str(model)!r} is not a local folder or file; pass a Hugging Face model folder "
+        "(config.json + *.safetensors), a GGUF file or a hub id (org/name)."
+    )
+
+
+def read_model_config(model: str | Path) -> Any:
+    """The config of a local model: a folder's config.json or a GGUF file's metadata."""
+    if model_kind(model) == "gguf":
+        from pagedllm.gguf_metadata import read_gguf_config
+
+        return read_gguf_config(model)
+    return read_hf_config(model)

@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
+from pagedllm.gguf_metadata import open_gguf
 from pagedllm.hf_config import read_hf_config
-from pagedllm.models.gguf_loader import iterate_gguf_tensors, open_gguf
+from pagedllm.models.gguf_loader import iterate_gguf_tensors
 from pagedllm.models.sources import GGUFSource, open_source
 
 _TINY = dict(
@@ -264,7 +265,7 @@ def test_unsupported_architecture_and_non_gguf_files_are_clear_errors(tmp_path):
 
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
     """llama.cpp stores Llama 3 scaling as per-frequency factors (rope_freqs.weight)."""
-    from pagedllm.models.gguf_loader import _llama3_factors
+    from pagedllm.gguf_metadata import _llama3_factors
 
     folder = tiny_hf(
         tmp_path,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.hub import looks_like_hub_id, resolve_model
+from pagedllm.hub import looks_like_hub_id, resolve_model
 
 MAIN, TAGGED = "a" * 40, "b" * 40
 

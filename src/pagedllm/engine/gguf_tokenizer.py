@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.engine.fast_tokenizer import FastTokenizer
-from pagedllm.models.gguf_loader import GGUFFile, open_gguf
+from pagedllm.gguf_metadata import GGUFFile, open_gguf
 
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType values
 _GPT2_SPLIT = None  # ByteLevel's own regex (GPT-2's)

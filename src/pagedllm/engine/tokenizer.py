@@ -16,7 +16,7 @@ from typing import Any
 
 def load_tokenizer(path: str) -> Any:
     from pagedllm.engine.fast_tokenizer import FastTokenizer, is_plain
-    from pagedllm.models.gguf_loader import is_gguf
+    from pagedllm.gguf_metadata import is_gguf
 
     try:
         if is_gguf(path):

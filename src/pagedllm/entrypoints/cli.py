@@ -96,7 +96,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         group.add_argument(flag, type=kind or str, default=default, help=help_text)
     if model_positional:
         parser.add_argument(
-            "model_pos", nargs="?", metavar="MODEL", help="model folder (same as --model)"
+            "model_pos",
+            nargs="?",
+            metavar="MODEL",
+            help="model folder, GGUF file or hub id (same as --model)",
         )
 
 

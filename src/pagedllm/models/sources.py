@@ -1,10 +1,9 @@
 """Where a model's config and weights come from: a Hugging Face folder or a GGUF file.
 
-:func:`open_source` picks the source for a local path (a hub id is first turned into its
-snapshot folder by :mod:`pagedllm.models.hub`). Both kinds answer the same two questions,
-the config (an :class:`~pagedllm.hf_config.HFConfig` or transformers' config) and the
-weights as (Hugging Face name, tensor) pairs, so the loader and the engine config never ask
-which kind they have.
+:func:`open_source` picks the source for a local path (a hub id has already been turned into
+its snapshot folder by :mod:`pagedllm.hub`). Both kinds answer the same two questions, the
+config (an :class:`~pagedllm.hf_config.HFConfig` or transformers' config) and the weights as
+(Hugging Face name, tensor) pairs, so the loader never asks which kind it has.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedllm.hf_config import model_kind, read_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -38,10 +39,6 @@ class FolderSource:
         self.path = path
 
     def read_config(self) -> Any:
-        if not (self.path / "config.json").exists():
-            raise ValueError(f"model folder {str(self.path)!r} has no config.json.")
-        from pagedllm.hf_config import read_hf_config
-
         return read_hf_config(self.path)
 
     def iterate_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,16 +51,15 @@ class GGUFSource:
     """A GGUF file: config from its metadata, tensors dequantized to the model's dtype."""
 
     def __init__(self, path: Path) -> None:
-        from pagedllm.models.gguf_loader import open_gguf
+        from pagedllm.gguf_metadata import open_gguf
 
         self.path = path
         self.file = open_gguf(path)
 
     def read_config(self) -> Any:
-        from pagedllm.hf_config import config_from_dict
-        from pagedllm.models.gguf_loader import gguf_config_dict
+        from pagedllm.gguf_metadata import read_gguf_config
 
-        return config_from_dict(gguf_config_dict(self.file), origin=self.path.name)
+        return read_gguf_config(self.path)
 
     def iterate_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         from pagedllm.models.gguf_loader import iterate_gguf_weights
@@ -73,19 +69,5 @@ class GGUFSource:
 
 def open_source(model: str | Path) -> ModelSource:
     """The source of a local model path; ValueError naming what to pass otherwise."""
-    from pagedllm.models.gguf_loader import is_gguf
-
     path = Path(model)
-    if path.is_dir():
-        return FolderSource(path)
-    if is_gguf(path):
-        return GGUFSource(path)
-    if path.is_file():
-        raise ValueError(
-            f"model {str(model)!r} is a file but not a GGUF file; pass a GGUF file, a local "
-            "Hugging Face model folder (config.json + *.safetensors) or a hub id (org/name)."
-        )
-    raise ValueError(
-        f"model {str(model)!r} is not a local folder or file; pass a Hugging Face model folder "
-        "(config.json + *.safetensors), a GGUF file or a hub id (org/name)."
-    )
+    return GGUFSource(path) if model_kind(path) == "gguf" else FolderSource(path)
