@@ -13,7 +13,7 @@ import pytest
 from helpers.gguf_files import write_model_gguf, write_spm_gguf
 
 from pagedllm.engine.gguf_tokenizer import sentencepiece_merges
-from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.engine.tokenizer import load_tokenizer, stop_token_ids_from_generation_config
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Hello world, hello there! "
@@ -57,7 +57,12 @@ def spm_files(tmp_path_factory):
     files = {
         "merges": write_spm_gguf(folder / "merges.gguf", pieces, merges, **common),
         "scores": write_spm_gguf(
-            folder / "scores.gguf", pieces, None, chat_template=TEMPLATE, **common
+            folder / "scores.gguf",
+            pieces,
+            None,
+            chat_template=TEMPLATE,
+            eot_token="<|im_end|>",
+            **common,
         ),
         "eos": write_spm_gguf(folder / "eos.gguf", pieces, merges, add_bos=False, add_eos=True),
         "unflagged": write_spm_gguf(folder / "unflagged.gguf", pieces, merges, add_bos=None),
@@ -179,3 +184,19 @@ def test_unknown_tokenizer_models_are_refused_clearly(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'t5' tokenizer"):
         load_tokenizer(str(tmp_path / "t5.gguf"))
+
+
+def test_end_of_turn_tokens_stop_generation(spm_files):
+    tok = load_tokenizer(str(spm_files["scores"]))
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids_from_generation_config(str(spm_files["scores"])) == {2, eot}
+    assert stop_token_ids_from_generation_config(str(spm_files["merges"])) == {2}
+
+
+def test_transformers_view_of_the_built_tokenizer_encodes_the_same(spm_files):
+    """Structured outputs compile grammars against transformers' tokenizer object."""
+    tok = load_tokenizer(str(spm_files["scores"]))
+    hf = tok.hf_tokenizer()
+    for text in STRINGS:
+        assert hf.encode(text) == tok.encode(text), text
+    assert hf.eos_token == tok.eos_token and hf.chat_template == tok.chat_template

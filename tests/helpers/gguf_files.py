@@ -164,6 +164,7 @@ def write_spm_gguf(
     control: tuple[str, ...] = (),
     user_defined: tuple[str, ...] = (),
     chat_template: str | None = None,
+    eot_token: str | None = None,
 ) -> Path:
     """A llama-architecture GGUF holding only a SentencePiece-style vocabulary: <unk>, <s>,
     </s>, the 256 byte tokens, then pieces (scores falling with their rank), then control
@@ -204,6 +205,8 @@ def write_spm_gguf(
     writer.add_add_eos_token(add_eos)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if eot_token is not None:
+        writer.add_eot_token_id(tokens.index(eot_token))
     _finish(writer)
     return out
 

@@ -41,7 +41,15 @@ def load_tokenizer(path: str) -> Any:
 
 
 def stop_token_ids_from_generation_config(model: str) -> set[int]:
-    """EOS ids that generation_config.json lists, which stop generation like EOS does."""
+    """EOS ids that generation_config.json lists, which stop generation like EOS does (for a
+    GGUF file: its end-of-turn and end-of-message tokens, llama.cpp's other stop tokens)."""
+    from pagedllm.gguf_metadata import is_gguf, open_gguf
+
+    if is_gguf(model):
+        file = open_gguf(model)
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = (file.value(f"tokenizer.ggml.{key}") for key in keys)
+        return {int(i) for i in ids if i is not None}
     path = Path(model) / "generation_config.json"
     if not path.exists():
         return set()
