@@ -298,3 +298,20 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
     )
     with pytest.raises(ValueError, match="rope_freqs"):
         open_source(unknown).read_config()
+
+
+def test_tensor_parallel_ranks_load_their_shards_from_the_file(tiny):
+    """TP=2: each worker process opens the file itself and loads its shard of the
+    dequantized (and, for q/k, row-restored) tensors: greedy output equals TP=1's."""
+    _, gguf_path = tiny("llama", Q.Q8_0)
+    prompt = "The quick brown fox"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base = dict(kv_cache_memory_bytes=1 << 20, enforce_eager=True)
+    tp1 = LLM(model=str(gguf_path), **base)
+    want = tp1.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    tp2 = LLM(model=str(gguf_path), tensor_parallel_size=2, **base)
+    try:
+        got = tp2.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        tp2.llm_engine.shutdown()
+    assert list(got) == list(want)
