@@ -178,13 +178,27 @@ def _llama3_factors(inv_freq: np.ndarray, params: dict[str, Any]) -> np.ndarray:
     return np.where(middle, 1.0 / ((1 - smooth) / factor + smooth), scaled)
 
 
+def _gemma3_layer_types(file: GGUFFile, layers: int) -> list[str]:
+    """Sliding or full attention per layer: the file's sliding_window_pattern (one flag per
+    layer, true = sliding; or n: every n-th layer full) when it has one, else llama.cpp's
+    Gemma 3 default of every sixth layer full."""
+    pattern = file.arch_value("attention.sliding_window_pattern", _GEMMA3_GLOBAL_EVERY)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(
+                f"GGUF file {file.path.name!r}: sliding_window_pattern has {len(pattern)} "
+                f"entries for {layers} layers."
+            )
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = int(pattern)
+        sliding = [every <= 0 or (i + 1) % every != 0 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def _gemma3_fields(file: GGUFFile, raw: dict[str, Any]) -> None:
-    layers = raw["num_hidden_layers"]
     raw["sliding_window"] = file.arch_value("attention.sliding_window")
-    raw["layer_types"] = [
-        "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-        for i in range(layers)
-    ]
+    raw["layer_types"] = _gemma3_layer_types(file, raw["num_hidden_layers"])
     # config.json's form: a rotary setting per layer type
     full = {"rope_type": "default", "rope_theta": float(raw.pop("rope_theta", 1e6))}
     full |= raw.pop("rope_scaling", None) or {}

@@ -57,6 +57,10 @@ def _write_arch_metadata(writer, arch: str, config: dict) -> None:
         writer.add_value_length(head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+        sliding = [t == "sliding_attention" for t in config["layer_types"]]
+        every_sixth = [(i + 1) % 6 != 0 for i in range(len(sliding))]
+        if sliding != every_sixth:  # llama.cpp writes the pattern where it is not its default
+            writer.add_sliding_window_pattern(sliding)
 
 
 def _write_gpt2_vocab(writer, folder: Path) -> None:

@@ -66,15 +66,21 @@ _CONFIG_FIELDS = (
 )
 
 
-def tiny_hf(folder: Path, model_type: str, seed: int = 0, **overrides: object) -> Path:
+def tiny_hf(
+    folder: Path,
+    model_type: str,
+    seed: int = 0,
+    layer_types: list[str] | None = None,
+    **overrides: object,
+) -> Path:
     """A tiny random transformers model of model_type, saved with a byte-level tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = _TINY | _ARCHS[model_type][1] | overrides
     config = AutoConfig.for_model(model_type, **kwargs)
     if model_type == "gemma3_text":
-        # llama.cpp's Gemma 3 layout: every sixth layer global, local layers at base 10000
-        config.layer_types = [
+        # llama.cpp's Gemma 3 layout unless told: every sixth layer global
+        config.layer_types = layer_types or [
             "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
             for i in range(config.num_hidden_layers)
         ]
@@ -314,3 +320,11 @@ def test_tensor_parallel_ranks_load_their_shards_from_the_file(tiny):
     finally:
         tp2.llm_engine.shutdown()
     assert list(got) == list(want)
+
+
+def test_gemma3_layer_pattern_stored_in_the_file_is_read(tmp_path):
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    folder = tiny_hf(tmp_path, "gemma3_text", num_hidden_layers=3, layer_types=types)
+    path = write_model_gguf(folder, tmp_path / "g.gguf", "gemma3")
+    config = open_source(path).read_config()
+    assert config.layer_types == read_hf_config(folder).layer_types == types
