@@ -151,11 +151,14 @@ def test_sentencepiece_merges_order_by_score_then_left_length():
     ]
 
 
-def test_byte_level_vocab_of_a_tiny_model_matches_transformers(model_factory, tmp_path):
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe"])
+def test_byte_level_vocab_of_a_tiny_model_matches_transformers(model_factory, tmp_path, pre):
+    """The pre-tokenizer split named by tokenizer.ggml.pre (digits one by one for qwen2,
+    in threes for llama-bpe) is the one transformers applies."""
     folder = model_factory("llama")
-    path = write_model_gguf(folder, tmp_path / "m.gguf", "llama")
+    path = write_model_gguf(folder, tmp_path / "m.gguf", "llama", pre=pre)
     ours, theirs = load_tokenizer(str(path)), _transformers(path)
-    for text in [*STRINGS, "naïve café — 日本語 ✓ emoji 🙂 done."]:
+    for text in [*STRINGS, "naïve café — 日本語 ✓ emoji 🙂 done.", "x 1234567 y'S\r\n z"]:
         assert ours.encode(text) == theirs.encode(text), text
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text)), text
     assert ours.eos_token == theirs.eos_token == "</s>"

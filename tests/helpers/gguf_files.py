@@ -63,7 +63,7 @@ def _write_arch_metadata(writer, arch: str, config: dict) -> None:
             writer.add_sliding_window_pattern(sliding)
 
 
-def _write_gpt2_vocab(writer, folder: Path) -> None:
+def _write_gpt2_vocab(writer, folder: Path, pre: str = "gpt-2") -> None:
     """The folder's byte-level BPE tokenizer.json as tokenizer.ggml.* (model gpt2)."""
     data = json.loads((folder / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
@@ -73,7 +73,7 @@ def _write_gpt2_vocab(writer, folder: Path) -> None:
     special = {t["content"] for t in data["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])
     writer.add_token_merges(merges)
@@ -111,6 +111,7 @@ def write_model_gguf(
     tensor_type: Callable[[str, np.ndarray], object] | None = None,
     drop: tuple[str, ...] = (),
     extra: dict[str, np.ndarray] | None = None,
+    pre: str = "gpt-2",
 ) -> Path:
     """A GGUF file of the Hugging Face model in folder. tensor_type(hf_name, values) picks
     each tensor's block type (default: F32 everywhere); names in drop are left out; extra
@@ -124,7 +125,7 @@ def write_model_gguf(
     table = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), arch)
     _write_arch_metadata(writer, arch, config)
-    _write_gpt2_vocab(writer, folder)
+    _write_gpt2_vocab(writer, folder, pre)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, values in state.items():
         if name in drop:

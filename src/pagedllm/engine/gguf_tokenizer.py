@@ -17,12 +17,15 @@ matched whole in the text), as transformers' GGUF tokenizer does; the result is 
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from pagedllm.engine.fast_tokenizer import FastTokenizer
 from pagedllm.gguf_metadata import GGUFFile, open_gguf
+
+logger = logging.getLogger(__name__)
 
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType values
 _GPT2_SPLIT = None  # ByteLevel's own regex (GPT-2's)
@@ -115,6 +118,8 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> Any:
     vocab = {t: i for i, t in enumerate(spelled)}
     tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     pre = file.value("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        logger.warning("GGUF pre-tokenizer %r is not known here; splitting as GPT-2 does", pre)
     split = PRE_TOKENIZER_SPLITS.get(pre, _GPT2_SPLIT)
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
