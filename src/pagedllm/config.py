@@ -45,7 +45,7 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # local Hugging Face folder
+    model: str  # local Hugging Face folder or GGUF file (a hub id resolved to its snapshot)
     tokenizer: str
     hf_config: Any  # pagedllm.hf_config.HFConfig (transformers.PretrainedConfig for other types)
     dtype: str  # "float32" | "bfloat16" | "float16"
@@ -260,9 +260,16 @@ class EngineArgs:
 
     model: str = field(
         default_factory=default_model_path,
-        metadata={"help": "local Hugging Face model folder (default: the bundled demo model)"},
+        metadata={
+            "help": "Hugging Face model folder, GGUF file or hub id (default: generate, chat "
+            "and serve fetch SmolLM2-135M-Instruct on first use; other tools: the bundled "
+            "demo model)"
+        },
     )
-    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
+    tokenizer: str | None = _arg(
+        None, "tokenizer folder, GGUF file or hub id (default: the model's)"
+    )
+    revision: str | None = _arg(None, "hub ids: the branch, tag or commit to load")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16")
     seed: int = _arg(0, "random seed")
     max_model_len: int | None = _arg(
@@ -365,7 +372,11 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
-        hf_config = load_hf_config(self.model)
+        from pagedllm.hub import resolve_model
+
+        model = resolve_model(self.model, self.revision)
+        tokenizer = resolve_model(self.tokenizer, self.revision) if self.tokenizer else model
+        hf_config = load_hf_config(model)
         max_model_len = _max_model_len(hf_config, self.max_model_len)
         batched = self.max_num_batched_tokens
         if batched is None:
@@ -392,13 +403,13 @@ class EngineArgs:
         lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
         return EngineConfig(
             model=ModelConfig(
-                model=self.model,
-                tokenizer=self.tokenizer or self.model,
+                model=model,
+                tokenizer=tokenizer,
                 hf_config=hf_config,
                 dtype=_resolve_dtype(self.dtype, hf_config, device),
                 seed=self.seed,
                 quant_config=self._quant_config(hf_config),
-                generation_config=generation_config_folder(self.generation_config, self.model),
+                generation_config=generation_config_folder(self.generation_config, model),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -452,7 +463,9 @@ class EngineArgs:
 
     def _verify(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a path to a Hugging Face model folder.")
+            raise ValueError(
+                "model must be a Hugging Face model folder, a GGUF file or a hub id (org/name)."
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         positive = ("block_size", "max_num_seqs", "tensor_parallel_size", "nnodes")
@@ -518,18 +531,11 @@ def architecture_of(hf_config: Any) -> str:
 
 
 def load_hf_config(model: str) -> Any:
-    """Read config.json of a local model folder, with clear errors for the usual mistakes."""
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(
-            f"model {model!r} is not a folder; pass a local Hugging Face model folder "
-            "(config.json + *.safetensors)."
-        )
-    if not (path / "config.json").exists():
-        raise ValueError(f"model folder {model!r} has no config.json.")
-    from pagedllm.hf_config import read_hf_config
+    """The config of a local model folder or GGUF file, with clear errors for the usual
+    mistakes."""
+    from pagedllm.hf_config import read_model_config
 
-    return read_hf_config(path)
+    return read_model_config(model)
 
 
 def _max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -78,6 +78,11 @@ def XDG_CACHE_HOME() -> str | None:  # noqa: N802
     return os.environ.get("XDG_CACHE_HOME") or None
 
 
+def HF_HUB_OFFLINE() -> bool:  # noqa: N802 - huggingface_hub's own variable, read here too
+    """Offline mode: the hub cache only, and no first-run download of the default model."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+
+
 def TRITON_INTERPRET() -> bool:  # noqa: N802 - Triton's own variable, read here too
     """Triton runs kernels in its CPU interpreter (tests of the GPU kernels without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

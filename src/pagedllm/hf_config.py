@@ -183,3 +183,56 @@ def _transformers_config(folder: Path, model_type: object) -> Any:
         return AutoConfig.from_pretrained(str(folder))
     except (ValueError, KeyError) as e:
         raise ValueError(f"cannot read {folder / 'config.json'}: {e}") from e
+
+
+def config_from_dict(raw: dict[str, Any], origin: str) -> Any:
+    """A config from config.json-style fields read elsewhere (a GGUF file's metadata): an
+    HFConfig for the types read here, transformers' config class for the others."""
+    if raw.get("model_type") in MODEL_DEFAULTS:
+        return from_dict(raw)
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ValueError(
+            f"model_type {raw.get('model_type')!r} of {origin} needs transformers to read; "
+            f"pagedllm reads {', '.join(MODEL_DEFAULTS)} itself."
+        ) from e
+    fields = dict(raw)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def model_kind(model: str | Path) -> str:
+    """ "folder" or "gguf" for a local model path; ValueError naming what to pass otherwise."""
+    from pagedllm.gguf_metadata import is_gguf
+
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {str(model)!r} has no config.json.")
+        return "folder"
+    if is_gguf(path):
+        return "gguf"
+    if path.is_file():
+        raise ValueError(
+            f"model {str(model)!r} is a file but not a GGUF file; pass a GGUF file, a local "
+            "Hugging Face model folder (config.json + *.safetensors) or a hub id (org/name)."
+        )
+    raise ValueError(
+        f"model {str(model)!r} is not a local folder or file; pass a Hugging Face model folder "
+        "(config.json + *.safetensors), a GGUF file or a hub id (org/name)."
+    )
+
+
+def read_model_config(model: str | Path) -> Any:
+    """The config of a local model: a folder's config.json or a GGUF file's metadata."""
+    if model_kind(model) == "gguf":
+        return read_gguf_config(model)
+    return read_hf_config(model)
+
+
+def read_gguf_config(path: str | Path) -> Any:
+    """The config of a GGUF file, built from its metadata as from config.json fields."""
+    from pagedllm.gguf_metadata import gguf_config_dict, open_gguf
+
+    file = open_gguf(path)
+    return config_from_dict(gguf_config_dict(file), origin=file.path.name)

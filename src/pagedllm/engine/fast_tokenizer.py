@@ -125,6 +125,27 @@ class FastTokenizer:
         is_bpe = type(self._tok.model).__name__ == "BPE"
         self.clean_up_tokenization_spaces = clean and (bpe_too or not is_bpe)
         self.model_max_length = int(config.get("model_max_length") or 10**30)
+        self._hf_from_object = False
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        name_or_path: str,
+        special_tokens: dict[str, str | None],
+        chat_template: str | None,
+    ) -> FastTokenizer:
+        """A tokenizer built in memory (a GGUF file's vocabulary), not read from a folder."""
+        self = cls.__new__(cls)
+        self.name_or_path = name_or_path
+        self._tok = tokenizer
+        for name in _SPECIAL_NAMES:
+            setattr(self, name, special_tokens.get(name))
+        self.chat_template = chat_template
+        self.clean_up_tokenization_spaces = False
+        self.model_max_length = 10**30
+        self._hf_from_object = True
+        return self
 
     # ---------------------------------------------------------------- token ids
 
@@ -230,9 +251,14 @@ class FastTokenizer:
     # -------------------------------------------------------------- transformers
 
     def hf_tokenizer(self) -> Any:
-        """transformers' tokenizer for the same folder (imports transformers)."""
-        from transformers import AutoTokenizer
+        """transformers' tokenizer for the same vocabulary (imports transformers)."""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        if self._hf_from_object:
+            specials = {n: getattr(self, n) for n in _SPECIAL_NAMES if getattr(self, n)}
+            return PreTrainedTokenizerFast(
+                tokenizer_object=self._tok, chat_template=self.chat_template, **specials
+            )
         return AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=True)
 
 

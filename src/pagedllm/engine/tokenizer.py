@@ -1,6 +1,7 @@
 """Tokenizer loading and EOS ids of the model.
 
-A folder with a tokenizer.json that transformers uses as it is loads as a FastTokenizer
+A GGUF file's vocabulary is built into the same FastTokenizer (engine/gguf_tokenizer.py). A
+folder with a tokenizer.json that transformers uses as it is loads as a FastTokenizer
 (``tokenizers`` + ``jinja2``: no transformers import, which costs seconds at start-up);
 other folders (slow sentencepiece tokenizers, classes that rewrite the post-processor) go
 through transformers' AutoTokenizer when it is installed.
@@ -15,8 +16,13 @@ from typing import Any
 
 def load_tokenizer(path: str) -> Any:
     from pagedllm.engine.fast_tokenizer import FastTokenizer, is_plain
+    from pagedllm.gguf_metadata import is_gguf
 
     try:
+        if is_gguf(path):
+            from pagedllm.engine.gguf_tokenizer import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(path)
         if is_plain(path):
             return FastTokenizer(path)
         from transformers import AutoTokenizer
@@ -35,7 +41,15 @@ def load_tokenizer(path: str) -> Any:
 
 
 def stop_token_ids_from_generation_config(model: str) -> set[int]:
-    """EOS ids that generation_config.json lists, which stop generation like EOS does."""
+    """EOS ids that generation_config.json lists, which stop generation like EOS does (for a
+    GGUF file: its end-of-turn and end-of-message tokens, llama.cpp's other stop tokens)."""
+    from pagedllm.gguf_metadata import is_gguf, open_gguf
+
+    if is_gguf(model):
+        file = open_gguf(model)
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = (file.value(f"tokenizer.ggml.{key}") for key in keys)
+        return {int(i) for i in ids if i is not None}
     path = Path(model) / "generation_config.json"
     if not path.exists():
         return set()

@@ -74,8 +74,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         group.add_argument(flag, type=kind or str, default=default, help=help_text)
     if model_positional:
         parser.add_argument(
-            "model_pos", nargs="?", metavar="MODEL", help="model folder (same as --model)"
+            "model_pos",
+            nargs="?",
+            metavar="MODEL",
+            help="model folder, GGUF file or hub id (same as --model)",
         )
+
+
+# Without --model these run SmolLM2-135M-Instruct (fetched on first use); the other tools
+# and the Python API keep the bundled demo model as their default.
+FIRST_RUN_COMMANDS = ("generate", "chat", "serve")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -97,6 +105,11 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         ) | flags
     model = getattr(ns, "model_pos", None) or kwargs.pop("model", None)
     kwargs.pop("model", None)
+    if model is None and getattr(ns, "command", None) in FIRST_RUN_COMMANDS:
+        from pagedllm.config import default_model_path
+        from pagedllm.models.default_model import first_run_model
+
+        model = first_run_model(default_model_path())
     return EngineArgs(**kwargs) if model is None else EngineArgs(model=model, **kwargs)
 
 

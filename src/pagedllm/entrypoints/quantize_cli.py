@@ -36,8 +36,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, config: QuantConfig) -
     from safetensors.torch import save_file
 
     from pagedllm.layers.quantization import DynamicQuantConfig, quantize_weight
-    from pagedllm.models.loader import resolve_name, safetensors_files
+    from pagedllm.models.loader import resolve_name
     from pagedllm.models.registry import get_model_class
+    from pagedllm.models.sources import safetensors_files
 
     src, dst = Path(src), Path(dst)
     hf_config = load_hf_config(str(src))

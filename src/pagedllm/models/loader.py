@@ -1,14 +1,12 @@
-"""Build a model from a local Hugging Face folder and stream its safetensors weights in."""
+"""Build a model and stream its weights in from its source (a Hugging Face folder's
+safetensors or a GGUF file's tensors: pagedllm.models.sources)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
@@ -16,6 +14,7 @@ from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.distributed.parallel_state import model_parallel
 from pagedllm.dtypes import torch_dtype
 from pagedllm.models.registry import get_model_class
+from pagedllm.models.sources import open_source
 
 logger = logging.getLogger(__name__)
 
@@ -104,29 +103,6 @@ def build_model(
     return model
 
 
-def safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(
-            f"model folder {str(folder)!r} has no *.safetensors weights "
-            "(pytorch_model.bin checkpoints are not supported; convert with save_pretrained)."
-        )
-    return files
-
-
-def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(folder):
-        if not path.exists():
-            raise ValueError(f"weight file {str(path)!r} named by the index is missing.")
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
-
-
 def resolve_name(model: nn.Module, name: str) -> tuple[str, int | str | None]:
     """A checkpoint tensor's parameter name in the model, and its shard in a fused parameter."""
     name = getattr(model, "weight_aliases", {}).get(name, name)
@@ -176,7 +152,7 @@ def load_model(config: ModelConfig, device: torch.device, comm: Communicator = S
 
         quant = DynamicQuantConfig.from_config(config.quant_config)
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
-    load_weights(model, iterate_weights(Path(config.model)))
+    load_weights(model, open_source(config.model).iterate_weights(torch_dtype(config.dtype)))
     if quant is not None:
         quant.finish_loading(model)
     return model.eval()

@@ -1,0 +1,154 @@
+"""SmolLM2-135M-Instruct's GGUF file (Q4_1) against transformers' own GGUF loading.
+
+transformers reads the same file (``from_pretrained(folder, gguf_file=...)``); the fp32 folder
+of helpers.real_model is what it loads, saved. Prompts are short and outputs a few tokens, so
+the module runs in well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.logprobs import check_logprobs_close, hf_greedy_top, pagedllm_greedy
+from helpers.real_model import smollm2_gguf, smollm2_hf_folder
+from safetensors.torch import load_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.hf_config import read_hf_config
+from pagedllm.models.sources import open_source
+
+STRINGS = [
+    "What is the capital of France?",
+    "  leading spaces,   runs of them\n\n\tand tabs ",
+    "héllo wörld — ünïcödé 日本語 한국어 🤖🙂",
+    "def f(x: int) -> int:\n    return x ** 2  # square\n",
+    '{"key": [1, 2.5, null], "s": "a\\nb"}',
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text<|im_end|>more<repo_name>",
+    "1234567890 3.14159 1e-9",
+    "",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another 🙂?"},
+    ],
+]
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 2+2?"]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(model=str(gguf_path), kv_cache_memory_bytes=64 << 20, max_model_len=512)
+
+
+def test_config_and_weights_equal_transformers_gguf_loading(gguf_path):
+    folder = smollm2_hf_folder()
+    ours = open_source(gguf_path).read_config()
+    theirs = read_hf_config(folder)
+    for name in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    state = load_file(str(folder / "model.safetensors"))
+    loaded = dict(open_source(gguf_path).iterate_weights(torch.float32))
+    assert set(loaded) == set(state)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, state[name]), name
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(gguf_path, hf_tokenizer):
+    ours = load_tokenizer(str(gguf_path))
+    for text in STRINGS:
+        ids = ours.encode(text)
+        assert ids == hf_tokenizer.encode(text), text
+        assert ours.decode(ids) == hf_tokenizer.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == hf_tokenizer.decode(
+            ids, skip_special_tokens=True
+        ), text
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, name) == getattr(hf_tokenizer, name), name
+    assert len(ours) == len(hf_tokenizer)
+
+
+def test_chat_template_renders_like_transformers(gguf_path, hf_tokenizer):
+    ours = load_tokenizer(str(gguf_path))
+    for conversation in CONVERSATIONS:
+        for prompt in (True, False):
+            kw = dict(add_generation_prompt=prompt)
+            text = ours.apply_chat_template(conversation, tokenize=False, **kw)
+            assert text == hf_tokenizer.apply_chat_template(conversation, tokenize=False, **kw)
+            assert ours.apply_chat_template(conversation, **kw) == list(
+                hf_tokenizer.apply_chat_template(conversation, **kw, return_dict=False)
+            )
+
+
+def test_greedy_chat_matches_transformers_under_the_top5_criterion(llm, hf_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder(), dtype=torch.float32)
+    matched = []
+    for question in CHAT_PROMPTS:
+        conversation = [{"role": "user", "content": question}]
+        ids = list(
+            hf_tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, return_dict=False
+            )
+        )
+        ours = pagedllm_greedy(llm, ids, max_tokens=12)
+        theirs = hf_greedy_top(hf, ids, max_tokens=12)
+        matched.append(check_logprobs_close(ours, theirs, ("pagedllm", "transformers")))
+    assert sum(matched) >= len(CHAT_PROMPTS) * 6, matched  # mostly equal, not just close
+
+
+def test_chat_answers_the_capital_of_france(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_converted_folder_loads_and_decodes_like_the_gguf(llm, hf_tokenizer):
+    """The transformers folder made from the file holds the same fp32 weights: the engine
+    decodes it exactly as it decodes the GGUF."""
+    folder_llm = LLM(
+        model=str(smollm2_hf_folder()), kv_cache_memory_bytes=64 << 20, max_model_len=512
+    )
+    conversation = [{"role": "user", "content": CHAT_PROMPTS[1]}]
+    ids = list(
+        hf_tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, return_dict=False
+        )
+    )
+    assert (
+        folder_llm.get_tokenizer().encode(hf_tokenizer.decode(ids), add_special_tokens=False) == ids
+    )
+    a = pagedllm_greedy(folder_llm, ids, max_tokens=10)
+    b = pagedllm_greedy(llm, ids, max_tokens=10)
+    assert a.token_ids == b.token_ids
