@@ -79,6 +79,7 @@ def test_cpu_install_never_imports_triton():
 
 
 def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
+    from pagedllm import cpp_build
     from pagedllm.attention import cpu_backend, cpu_kernels
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
@@ -86,8 +87,8 @@ def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
         raise RuntimeError("no compiler")
 
     # a machine with no kernel built yet, whose build fails
-    monkeypatch.setattr(cpu_kernels, "_build_root", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernels, "_compile", no_compiler)
+    monkeypatch.setattr(cpp_build, "_build_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_build, "_compile", no_compiler)
     with pytest.warns(RuntimeWarning, match="using the torch attention path"):
         assert cpu_kernels.load.__wrapped__() is False
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)

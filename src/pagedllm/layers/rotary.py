@@ -6,15 +6,23 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.custom_op import CustomOp
 
 
-def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from either the new or the old config field names."""
+def rope_parameters(
+    hf_config: Any, layer_type: str | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from either the new or the old config field names; with
+    layer_type, that kind of layer's (Gemma 3: "sliding_attention" layers have their own base,
+    rope_local_base_freq in older configs, and no scaling)."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     theta = getattr(hf_config, "rope_theta", None)
+    if params and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]  # per layer type (transformers >= 5 layout)
+    elif layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None):
+        return float(hf_config.rope_local_base_freq), None
     if params and "rope_theta" in params:
         theta = params["rope_theta"]
     scaling = None
@@ -43,7 +51,7 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.T
     raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3).")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(
         self,
         head_dim: int,
@@ -52,7 +60,7 @@ class RotaryEmbedding(nn.Module):
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
     ) -> None:
-        super().__init__()
+        super().__init__(dtype)
         self.head_dim, self.max_position, self.theta, self.scaling = (
             head_dim,
             max_position,
@@ -81,27 +89,22 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def fused_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) tables for the fused CPU decoder layers, whose q and k are in dtype."""
-        return (self.cos, self.sin) if self.cos.dtype == dtype else None
-
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(
+    def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated by their positions."""
-        if (
-            positions.dtype == torch.long
-            and q.dtype == self.cos.dtype == k.dtype
-            and q.stride(-1) == 1
-            and k.stride(-1) == 1
-            and cpu_fused.usable(q)
-        ):
-            return cpu_fused.rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def forward_cpu(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != self.cos.dtype:
+            return self.forward_native(positions, q, k)
+        return cpu_fused.rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)

@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.distributed.parallel_state import model_parallel
+from pagedllm.layers.custom_op import OpTarget, build_target
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ class MissingLayer(nn.Module):
 
 class PassThroughLayer(MissingLayer):
     """A decoder layer of another tier: (hidden, residual) go through unchanged."""
-
-    passes_through = True  # nothing to run: the fused CPU decoder layers skip it
 
     def forward(  # type: ignore[override]
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -91,12 +90,17 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device, comm: Communicator = SINGLE
+    config: ModelConfig,
+    device: torch.device,
+    comm: Communicator = SINGLE,
+    cpu_fused_ops: bool = True,
 ) -> nn.Module:
     """The model, uninitialised, sharded over comm; only layer_range's layers when it is set
-    (built on the meta device first, so that another tier's layers never take memory)."""
+    (built on the meta device first, so that another tier's layers never take memory). Its
+    ops pick their implementation for ``device`` as they are built (layers/custom_op.py)."""
     cls = get_model_class(config.architecture)
-    with torch.device("meta"), model_parallel(comm):
+    target = OpTarget(device.type, cpu_fused_ops)
+    with torch.device("meta"), model_parallel(comm), build_target(target):
         model = cls(config.hf_config, DTYPES[config.dtype])
     if config.layer_range is not None:
         keep_layers(model, config.layer_range)
@@ -168,8 +172,13 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         )
 
 
-def load_model(config: ModelConfig, device: torch.device, comm: Communicator = SINGLE) -> nn.Module:
-    model = build_model(config, device, comm)
+def load_model(
+    config: ModelConfig,
+    device: torch.device,
+    comm: Communicator = SINGLE,
+    cpu_fused_ops: bool = True,
+) -> nn.Module:
+    model = build_model(config, device, comm, cpu_fused_ops)
     quant = None
     if config.quant_config is not None:
         from pagedllm.layers.quantization import DynamicQuantConfig
