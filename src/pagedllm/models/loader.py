@@ -73,16 +73,17 @@ def keep_layers(model: nn.Module, layer_range: tuple[int, int]) -> None:
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Give a model built on the meta device uninitialised storage on ``device``. Each
-    parameter keeps its identity (ties between modules) and attributes (weight_loader);
-    buffers are recomputed by their modules' reset_buffers()."""
+    parameter keeps its identity (ties between modules) and its weight_loader; buffers are
+    recomputed by their modules' reset_buffers()."""
     for param in model.parameters():  # a shared parameter once
-        attrs = dict(param.__dict__)
         # torch.empty, not empty_like: empty_like of a meta tensor runs torch's Python
         # reference op, whose first use imports torch._dynamo and sympy (seconds)
         storage = torch.empty(param.shape, dtype=param.dtype, device=device)
         real = nn.Parameter(storage, requires_grad=False)
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:  # swap_tensors swaps the Python attributes too
+            real.weight_loader = loader
         torch.utils.swap_tensors(param, real)
-        param.__dict__.update(attrs)
     with torch.device(device):
         for module in model.modules():
             if hasattr(module, "reset_buffers"):
