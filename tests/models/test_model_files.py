@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pagedllm.models
 
-FORBIDDEN = re.compile(r"torch\.nn\.modules|__dict__|\._parameters\b|\._modules\b|_forward_hooks|vars\(")
+FORBIDDEN = re.compile(
+    r"torch\.nn\.modules|__dict__|\._parameters\b|\._modules\b|_forward_hooks|vars\("
+)
 
 
 def test_no_model_file_touches_module_internals() -> None:
