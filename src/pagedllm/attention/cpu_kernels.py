@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.attention.metadata import VarlenBatch
-from pagedllm.attention.tuning import AttentionTuning, get_tuning
+from pagedllm.attention.tuning import AttentionTuning, env_tiles, get_tuning
 from pagedllm.cpp_build import arch_flags, load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
@@ -59,7 +59,7 @@ def varlen_attention(
     heads, head_dim = query.shape[1:]
     if tuning is None:
         group = heads // key.shape[-2]
-        tuning = get_tuning("cpu", head_dim, group, query.dtype)
+        tuning = get_tuning("cpu", head_dim, group, query.dtype, env_tiles())
     out = torch.empty_like(query)
     lse = torch.empty(heads, query.shape[0], dtype=torch.float32) if return_lse else None
     torch.ops.pagedllm_attention.varlen_attention(

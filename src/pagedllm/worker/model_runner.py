@@ -85,7 +85,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_config, self.device, comm, self.kernels.cpu_fused_ops)
         self.load_seconds = time.perf_counter() - start
-        self.backend = get_attention_backend(device_config.attention_backend, self.device)
+        self.backend = get_attention_backend(
+            device_config.attention_backend, self.device, self.kernels.attention_tiles
+        )
         self.sampler = Sampler(self.device)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
