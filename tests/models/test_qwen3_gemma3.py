@@ -86,3 +86,19 @@ def test_tp2_matches_hf(model_factory, oracle, arch):
     finally:
         llm.llm_engine.shutdown()
     assert got == oracle(model_dir, prompts, 10)
+
+
+def test_gemma3_layers_declare_their_kind(model_factory):
+    """Sliding layers: window 8 and the local rotary base, sharing one table; the global
+    layer: no window, its own base; every layer Gemma's norms, GeGLU and query scale."""
+    llm = engine(model_factory("gemma3"))
+    layers = llm.llm_engine.executor.local_runner.model.model.layers
+    specs = [layer.spec for layer in layers]
+    assert [s.window_left for s in specs] == [7, -1, 7]
+    assert [s.rope_theta for s in specs] == [10000.0, 1000000.0, 10000.0]
+    assert all(s.norm_offset and s.qk_norm and s.post_attention_norm and s.post_mlp_norm
+               for s in specs)  # fmt: skip
+    assert {s.activation for s in specs} == {"gelu_tanh"}
+    assert {s.scale for s in specs} == {24**-0.5}
+    rotary = [layer.self_attn.rotary_emb for layer in layers]
+    assert rotary[0].cos is rotary[2].cos and rotary[0].cos is not rotary[1].cos

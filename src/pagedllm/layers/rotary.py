@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -51,6 +53,33 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.T
     raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3).")
 
 
+# (head_dim, positions, theta, scaling, dtype, device, "cos" | "sin") -> table. Layers of one
+# kind share their tables (a 32k-position Gemma 3 table of 256 dims is 32 MiB a layer); held
+# weakly, so the tables go with the last model that uses them.
+_TABLES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _tables(
+    head_dim: int,
+    max_position: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [max_position, head_dim] on the current default device, shared."""
+    device = str(torch.empty(0).device)
+    key = (head_dim, max_position, theta, json.dumps(scaling, sort_keys=True), dtype, device)
+    cos, sin = _TABLES.get((*key, "cos")), _TABLES.get((*key, "sin"))
+    if cos is None or sin is None:
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        _TABLES[(*key, "cos")], _TABLES[(*key, "sin")] = cos, sin
+    return cos, sin
+
+
 class RotaryEmbedding(CustomOp):
     def __init__(
         self,
@@ -82,12 +111,8 @@ class RotaryEmbedding(CustomOp):
             self.cos = torch.empty(self.max_position, self.head_dim, dtype=dtype)
             self.sin = torch.empty(self.max_position, self.head_dim, dtype=dtype)
             return
-        inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
-        t = torch.arange(self.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos, self.sin = _tables(self.head_dim, self.max_position, self.theta,
+                                     self.scaling, dtype)  # fmt: skip
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
