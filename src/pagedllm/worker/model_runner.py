@@ -92,7 +92,11 @@ class ModelRunner:
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = Speculator(
-                speculative_config, model_config, self.device, self.sampler.generator_for
+                speculative_config,
+                model_config,
+                self.device,
+                self.sampler.generator_for,
+                self.kernels.cpu_fused_ops,
             )
         self.kv_spec: KVCacheSpec | None = None  # the allocated cache's layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

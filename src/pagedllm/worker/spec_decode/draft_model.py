@@ -27,7 +27,14 @@ from pagedllm.worker.sampler import apply_top_k_top_p_min_p
 
 
 class DraftModelProposer:
-    def __init__(self, path: str, k: int, target: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        path: str,
+        k: int,
+        target: ModelConfig,
+        device: torch.device,
+        cpu_fused_ops: bool = True,
+    ) -> None:
         config = dataclasses.replace(
             target,
             model=path,
@@ -36,7 +43,7 @@ class DraftModelProposer:
             layer_range=None,
             quant_config=None,
         )
-        self.model = load_model(config, device)
+        self.model = load_model(config, device, cpu_fused_ops=cpu_fused_ops)
         self.fast_path: CpuFusedDecoder | None = None  # set by the runner (rebuild_fast_path)
         self.k = k
         self.device = device
