@@ -51,9 +51,10 @@ ARCH_CONFIGS = {
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
     # q / k RMSNorm per head, head_dim 32 (not hidden / heads), no qkv bias
     "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=32),
-    # sliding (window 8) and global layers with their own rotary bases, q / k norms, four
-    # offset norms a layer, GeGLU, scaled embeddings, a query scale of 24 ** -0.5, tied
-    # embeddings, a final logit soft cap
+    # sliding (window 8) and global layers with their own rotary bases (linear scaling on the
+    # global ones, as Gemma 3 4B+ configs have it), q / k norms, four offset norms a layer,
+    # GeGLU, scaled embeddings, a query scale of 24 ** -0.5, tied embeddings, a final logit
+    # soft cap
     "gemma3": dict(
         model_type="gemma3_text",
         num_hidden_layers=3,
@@ -63,7 +64,7 @@ ARCH_CONFIGS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
         },
         query_pre_attn_scalar=24,
         final_logit_softcapping=30.0,
