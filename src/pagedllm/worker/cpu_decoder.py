@@ -124,6 +124,10 @@ class CpuFusedDecoder:
     @staticmethod
     def why_not(layers: nn.ModuleList, dtype: torch.dtype) -> str:
         """Why :meth:`build` returned None (for the log)."""
+        if dtype not in cpu_fused.DTYPES:
+            return f"no C++ kernels for {dtype}"
+        if not cpu_fused.load():
+            return "the C++ fused ops are not built"
         for layer in layers:
             if isinstance(layer, PassThroughLayer):
                 continue
@@ -131,7 +135,7 @@ class CpuFusedDecoder:
                 _add_layer(DecoderOperands(), layer, dtype)
             except _Unfusable as e:
                 return str(e)
-        return "no decoder layers, or the C++ ops are not built"
+        return "no decoder layers in this tier"
 
     def __call__(
         self,
