@@ -370,11 +370,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   return y;
 }
 
-// ---- the decoder layers of a Llama-family model in one call --------------------------------
+// ---- the decoder layers of a model in one call ---------------------------------------------
 // At decode a layer's own work is a few small products; the Python around them (a dozen
 // module calls, views and checks per layer) then costs as much as the products. This op runs
 // the layers' sequence of kernels from C++: the same kernels, in the same order, on the same
-// tensors as the Python path (models/llama.py), so its results are identical to it.
+// tensors as the layers' modules (models/llama.py, their forward_cpu), so its results are
+// identical to theirs.
 //
 // Each layer is described by its declaration (layers/decoder_spec.py, packed by
 // worker/cpu_decoder.py). Per layer, `tensors` holds kTensorsPerLayer entries: the norm
