@@ -217,23 +217,30 @@ def layer_elementwise_ms(rows: int, reps: int) -> dict[str, float]:
     `rows` tokens, torch ops vs the fused kernels, interleaved; the minimum of many short
     repetitions is what survives a shared, loaded machine."""
     from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.custom_op import OpTarget, build_target
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 
     c = BENCH_125M
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     d = h // heads
-    norm = RMSNorm(h, 1e-5, torch.float32)
-    rope = RotaryEmbedding(d, c["max_position_embeddings"], 10000.0, None, torch.float32)
+    ops = {}
+    for mode in ("0", "1"):  # each op picks its implementation when built
+        with build_target(OpTarget("cpu", cpu_fused_ops=mode == "1")):
+            ops[mode] = (
+                RMSNorm(h, 1e-5, torch.float32),
+                RotaryEmbedding(d, c["max_position_embeddings"], 10000.0, None, torch.float32),
+                SiluAndMul(torch.float32),
+            )
     qkv = torch.randn(rows, (heads + 2 * kv) * d)
     x, residual = torch.randn(rows, h), torch.randn(rows, h)
-    gate_up, act = torch.randn(rows, 2 * c["intermediate_size"]), SiluAndMul()
+    gate_up = torch.randn(rows, 2 * c["intermediate_size"])
     positions = torch.randint(0, 1024, (rows,))
     best = {"0": math.inf, "1": math.inf}
     with torch.inference_mode():
         for _ in range(reps):
             for mode in best:
-                os.environ["PAGEDLLM_CPU_FUSED_OPS"] = mode
+                norm, rope, act = ops[mode]
                 xs, rs = x.clone(), residual.clone()
                 start = time.perf_counter()
                 xs, rs = norm(xs, rs)
@@ -280,15 +287,15 @@ def main() -> None:
     print(f"machine: {machine()}", flush=True)
     modes = ["0", "1"] if args.compare_fused else [os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1")]
     for batch in args.batches:
-        engine = make_engine(model, batch)
-        timers = instrument(engine)
-        fill(engine, batch, args.steps * len(modes))
-        timed_steps(engine, 2, False, timers)  # warm-up
         gemm_decode = gemm_model(batch, batch)
         gemm_mixed = gemm_model(batch + MIXED_PROMPT, batch + 1)
-        for kind, gemm in (("decode", gemm_decode), ("mixed", gemm_mixed)):
-            for mode in modes:  # the same engine and sequences, the fused ops off and on
-                os.environ["PAGEDLLM_CPU_FUSED_OPS"] = mode
+        for mode in modes:  # one engine per setting: it is read when the engine is built
+            os.environ["PAGEDLLM_CPU_FUSED_OPS"] = mode
+            engine = make_engine(model, batch)
+            timers = instrument(engine)
+            fill(engine, batch, args.steps)
+            timed_steps(engine, 2, False, timers)  # warm-up
+            for kind, gemm in (("decode", gemm_decode), ("mixed", gemm_mixed)):
                 step, rows = timed_steps(engine, args.steps, kind == "mixed", timers)
                 label = f"{kind} batch {rows}" + (
                     f" + {MIXED_PROMPT}-token prompt" * (kind == "mixed")
@@ -300,10 +307,10 @@ def main() -> None:
                     args.steps,
                     gemm,
                 )
-        if args.torch_profile:
-            torch_profile(engine, 5, False)
-            torch_profile(engine, 5, True)
-        engine.shutdown()
+            if args.torch_profile:
+                torch_profile(engine, 5, False)
+                torch_profile(engine, 5, True)
+            engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -119,13 +119,25 @@ class ParallelConfig:
     node_rank: int = 0  # this machine's index; node 0 runs the engine (rank 0)
     master_addr: str | None = None  # rendezvous host (default: MASTER_ADDR, else 127.0.0.1)
     master_port: int = 0  # rendezvous port (0: MASTER_PORT, else a free one on one node)
+    overlap_min_tokens: int = 128  # smallest step split for overlap (PAGEDLLM_OVERLAP_MIN_TOKENS)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How ops and steps run, resolved once from the environment by create_engine_config."""
+
+    cpu_fused_ops: bool = True  # PAGEDLLM_CPU_FUSED_OPS: ops take their C++ forward_cpu
+    cpu_fused_decoder: bool = True  # PAGEDLLM_CPU_FUSED_DECODER: the runner's fused decoder
+    attention_tiles: str | None = None  # PAGEDLLM_ATTENTION_TILES: tile overrides
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str  # "cpu" | "cuda"
+    # True: steps run the model's modules as they are (CPU: no fused decoder; CUDA: no graphs)
     enforce_eager: bool
     attention_backend: str | None  # None: chosen for the device
+    kernels: KernelConfig = KernelConfig()
 
 
 @dataclass(frozen=True)
@@ -431,11 +443,17 @@ class EngineArgs:
                 self.node_rank,
                 self.master_addr,
                 self.master_port,
+                envs.PAGEDLLM_OVERLAP_MIN_TOKENS(),
             ),
             device=DeviceConfig(
                 device,
                 self.enforce_eager,
                 self.attention_backend or envs.PAGEDLLM_ATTENTION_BACKEND(),
+                KernelConfig(
+                    envs.PAGEDLLM_CPU_FUSED_OPS(),
+                    envs.PAGEDLLM_CPU_FUSED_DECODER(),
+                    envs.PAGEDLLM_ATTENTION_TILES(),
+                ),
             ),
             partition=parse_partition_config(self.partition_config),
             speculative=speculative,

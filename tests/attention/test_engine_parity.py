@@ -22,9 +22,8 @@ BUDGET = 32  # tokens per step: the 70-token prompt is prefilled in three chunks
 def test_greedy_matches_hf(model_factory, monkeypatch, arch, backend):
     if backend == "cpu" and not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
-    # The backend's own forward, not the fused decoder layers (tests/models/test_fused_decoder.py),
-    # which call the same C++ kernel from C++.
-    monkeypatch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "0")
+    # The backend's own forward (enforce_eager), not the runner's fused decoder
+    # (tests/models/test_fused_decoder.py), which calls the same C++ kernel from C++.
     kernel_calls = count_kernel_calls(monkeypatch)
     model_dir = model_factory(arch)  # mistral: sliding window 24, shorter than the prompts
     rng = random.Random(0)
@@ -38,6 +37,7 @@ def test_greedy_matches_hf(model_factory, monkeypatch, arch, backend):
         block_size=BLOCK,
         kv_cache_memory_bytes=1 << 20,
         max_num_batched_tokens=BUDGET,
+        enforce_eager=True,
     )
     engine = llm.llm_engine
     used = engine.executor.runner.backend

@@ -38,15 +38,30 @@ def test_rule_follows_cache_sizes():
     assert a["block_m"] == 64 and a["num_stages"] == 2 and a["split_keys"] == 256
 
 
-def test_overrides_by_env_and_argument(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", "block_m=8,block_n=48")
-    t = get_tuning("cpu", 64, 2, torch.float32)
+def test_overrides_by_tiles_and_argument():
+    t = get_tuning("cpu", 64, 2, torch.float32, "block_m=8,block_n=48")
     assert (t.block_m, t.block_n, t.source) == (8, 48, "env")
-    t = get_tuning("cpu", 64, 2, torch.float32, num_stages=1)
+    t = get_tuning("cpu", 64, 2, torch.float32, "block_m=8,block_n=48", num_stages=1)
     assert (t.block_m, t.num_stages, t.source) == (8, 1, "arg")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", "block_q=8")
     with pytest.raises(ValueError, match="bad entry"):
-        get_tuning("cpu", 64, 2, torch.float32)
+        get_tuning("cpu", 64, 2, torch.float32, "block_q=8")
+
+
+def test_engine_tiles_come_from_the_config(monkeypatch, tiny_llama):
+    """PAGEDLLM_ATTENTION_TILES is read once, into the engine's KernelConfig, and the runner's
+    backend (and with it the fused decoder) uses those tiles."""
+    from pagedllm import LLM
+    from pagedllm.config import EngineArgs
+
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", "block_m=16,block_n=32")
+    config = EngineArgs(model=str(tiny_llama)).create_engine_config()
+    assert config.device.kernels.attention_tiles == "block_m=16,block_n=32"
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    monkeypatch.delenv("PAGEDLLM_ATTENTION_TILES")
+    runner = llm.llm_engine.executor.local_runner
+    layer = runner.model.attention_layers()[0]
+    tiles = runner.backend.cpu_kernel_tiles(torch.float32, layer.num_heads, layer.key_cache)
+    assert tiles == (16, 32)
 
 
 def test_choice_is_logged_once(caplog):
@@ -79,6 +94,7 @@ def test_cpu_install_never_imports_triton():
 
 
 def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
+    from pagedllm import cpp_build
     from pagedllm.attention import cpu_backend, cpu_kernels
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
@@ -86,8 +102,8 @@ def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
         raise RuntimeError("no compiler")
 
     # a machine with no kernel built yet, whose build fails
-    monkeypatch.setattr(cpu_kernels, "_build_root", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernels, "_compile", no_compiler)
+    monkeypatch.setattr(cpp_build, "_build_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_build, "_compile", no_compiler)
     with pytest.warns(RuntimeWarning, match="using the torch attention path"):
         assert cpu_kernels.load.__wrapped__() is False
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)

@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm.hf_config import HFConfig, read_hf_config
 from pagedllm.layers.rotary import rope_parameters
-from pagedllm.models.llama import _window_left
+from pagedllm.models.llama import window_left
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "pagedllm-demo"
 FIELDS = (
@@ -98,7 +98,7 @@ def _assert_same(ours: HFConfig, theirs: object) -> None:
     assert num_kv_heads_of(ours) == num_kv_heads_of(theirs)
     assert rope_parameters(ours) == rope_parameters(theirs)
     for layer in range(ours.num_hidden_layers):
-        assert _window_left(ours, layer) == _window_left(theirs, layer)
+        assert window_left(ours, layer) == window_left(theirs, layer)
     their_dtype = getattr(theirs, "dtype", None)
     assert ours.dtype == (None if their_dtype is None else str(their_dtype).split(".")[-1])
 

@@ -9,6 +9,7 @@ import pytest
 from helpers.models import ARCH_CONFIGS
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import kv_bytes_per_token, load_hf_config
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.stats import IterationStats, SchedulerStats
 
@@ -102,10 +103,13 @@ def test_greedy_identical_with_rollbacks(model_factory, arch: str) -> None:
     model_dir = model_factory(arch)
     prompts = prompts_with_shared_prefix(seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    plain_llm = make_llm(model_dir, None, **REGIMES)
+    # 24 blocks of this architecture's KV (Qwen3's and Gemma 3's blocks are larger)
+    per_token = kv_bytes_per_token(load_hf_config(str(model_dir)), elem_bytes=4)
+    regimes = dict(REGIMES, kv_cache_memory_bytes=24 * 4 * per_token)
+    plain_llm = make_llm(model_dir, None, **regimes)
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
 
-    llm = make_llm(model_dir, NGRAM, **REGIMES)
+    llm = make_llm(model_dir, NGRAM, **regimes)
     counter = with_oracle(llm, [p + out for p, out in zip(prompts, plain)])
     chunks = count_chunks(llm)
     got = []

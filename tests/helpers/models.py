@@ -49,7 +49,31 @@ ARCH_CONFIGS = {
     ),
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=24),
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    # q / k RMSNorm per head, head_dim 32 (not hidden / heads), no qkv bias
+    "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=32),
+    # sliding (window 8) and global layers with their own rotary bases (linear scaling on the
+    # global ones, as Gemma 3 4B+ configs have it), q / k norms, four offset norms a layer,
+    # GeGLU, scaled embeddings, a query scale of 24 ** -0.5, tied embeddings, a final logit
+    # soft cap
+    "gemma3": dict(
+        model_type="gemma3_text",
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    ),
 }
+# Architectures whose norm weights get noise too (their q / k and offset norms would
+# otherwise start as identities and go untested).
+_NOISY_NORMS = ("qwen3", "gemma3")
 
 
 def build_model(folder: Path, arch: str, seed: int = 0, **overrides: object) -> Path:
@@ -78,9 +102,11 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: object) -> 
     # A random model's logits are nearly flat; a larger init spreads them so that greedy
     # choices are well separated and the comparison with HF is decisive.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
+            elif arch in _NOISY_NORMS and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(str(folder), safe_serialization=True)
     build_tokenizer(folder)
     return folder

@@ -28,3 +28,23 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: int) 
         )
         outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+def hf_greedy_recompute(
+    model_dir: Path | str, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """Greedy tokens with every step a full forward over the whole sequence (no KV cache):
+    the oracle that cannot share a cache bug with the engine (sliding windows, per-layer
+    rotary bases)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits
+                ids.append(int(logits[0, -1].argmax()))
+            outs.append(ids[len(p) :])
+    return outs

@@ -1,4 +1,6 @@
-"""The C++ fused residual + RMSNorm and rotary kernels against the torch ops they replace."""
+"""The C++ fused ops (residual + RMSNorm, plain and offset; RMSNorm alone; rotary; SiLU and
+GELU(tanh) gating; GEMV) against the torch ops they replace, and the choice of an op's
+implementation, made once when it is built."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import pytest
 import torch
 
 from pagedllm.layers import cpu_fused
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
+from pagedllm.layers.custom_op import OpTarget, build_target
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.norm import PlainRMSNorm, RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from tests.helpers.ci import unavailable
 
@@ -19,22 +24,32 @@ def kernel() -> None:
         unavailable("the C++ fused ops could not be built")
 
 
+def native(make):  # noqa: ANN001, ANN201
+    """The op ``make()`` builds, with the torch implementation (fused ops off)."""
+    with build_target(OpTarget("cpu", cpu_fused_ops=False)):
+        op = make()
+    assert op.impl == "native"
+    return op
+
+
 def _tol(dtype: torch.dtype) -> dict:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 70])
-def test_add_rms_norm_matches_torch(monkeypatch, dtype, rows) -> None:
+@pytest.mark.parametrize("offset", [False, True])
+def test_add_rms_norm_matches_torch(monkeypatch, dtype, rows, offset) -> None:
     torch.manual_seed(0)
-    norm = RMSNorm(40, 1e-6, dtype)
+    norm = RMSNorm(40, 1e-6, dtype, offset)
+    assert norm.impl == "cpu"
     norm.weight.copy_(torch.randn(40))
+    reference = native(lambda: RMSNorm(40, 1e-6, dtype, offset))
+    reference.weight.copy_(norm.weight)
     x, residual = torch.randn(rows, 40, dtype=dtype), torch.randn(rows, 40, dtype=dtype)
     with torch.inference_mode():
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
-        want_out, want_res = norm(x.clone(), residual.clone())
-        want_first, want_first_res = norm(x.clone())
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+        want_out, want_res = reference(x.clone(), residual.clone())
+        want_first, want_first_res = reference(x.clone())
         calls = []
         monkeypatch.setattr(cpu_fused, "fused_add_rms_norm", _counted(calls, cpu_fused))
         x_in = x.clone()
@@ -48,6 +63,49 @@ def test_add_rms_norm_matches_torch(monkeypatch, dtype, rows) -> None:
     assert got_out.data_ptr() == x_in.data_ptr()  # in place: no new tensor per layer
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_plain_rms_norm_per_head_matches_torch(dtype, offset) -> None:
+    """The per-head q / k norm on a strided view of a qkv projection, and a norm of rows."""
+    torch.manual_seed(1)
+    norm = PlainRMSNorm(32, 1e-6, dtype, offset)
+    norm.weight.copy_(torch.randn(32))
+    reference = native(lambda: PlainRMSNorm(32, 1e-6, dtype, offset))
+    reference.weight.copy_(norm.weight)
+    qkv = torch.randn(5, (4 + 2 * 2) * 32, dtype=dtype)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)  # strided rows
+    with torch.inference_mode():
+        got, want = norm(q), reference(q)
+        rows = torch.randn(3, 32, dtype=dtype)
+        got_rows, want_rows = norm(rows), reference(rows)
+    assert got.shape == (5, 4, 32) and got.is_contiguous()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(got_rows, want_rows, **_tol(dtype))
+
+
+def test_offset_norm_is_gemmas() -> None:
+    """offset: x_normed * (1 + w) in float32, rounded once (Gemma 3's RMSNorm)."""
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    w = torch.randn(16, dtype=torch.bfloat16)
+    norm = PlainRMSNorm(16, 1e-6, torch.bfloat16, offset=True)
+    norm.weight.copy_(w)
+    xf = x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), want.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+
+
+def test_ops_pick_their_implementation_when_built() -> None:
+    assert RMSNorm(8, 1e-6, torch.float32).impl == "cpu"
+    assert RMSNorm(8, 1e-6, torch.float16).impl == "native"  # no fp16 C++ kernel
+    with build_target(OpTarget("cuda")):
+        assert RMSNorm(8, 1e-6, torch.float32).impl == "cuda"
+        assert SiluAndMul(torch.float32).impl == "cuda"
+    with build_target(OpTarget("cpu", cpu_fused_ops=False)):
+        assert GeluTanhAndMul(torch.float32).impl == "native"
+        assert not ReplicatedLinear(8, 8).cpu_gemv
+
+
 def _counted(calls: list, module) -> object:
     real = module.fused_add_rms_norm
 
@@ -59,17 +117,16 @@ def _counted(calls: list, module) -> object:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_matches_torch_on_strided_qkv(monkeypatch, dtype) -> None:
+def test_rotary_matches_torch_on_strided_qkv(dtype) -> None:
     torch.manual_seed(0)
     rope = RotaryEmbedding(32, 64, 10000.0, None, dtype)
+    reference = native(lambda: RotaryEmbedding(32, 64, 10000.0, None, dtype))
     qkv = torch.randn(5, (4 + 2 * 2) * 32, dtype=dtype)
     q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)
     q, k = q.view(5, 4, 32), k.view(5, 2, 32)  # strided rows, as in the attention layer
     positions = torch.tensor([0, 1, 7, 63, 30])
     with torch.inference_mode():
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
-        want_q, want_k = rope(positions, q, k)
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+        want_q, want_k = reference(positions, q, k)
         got_q, got_k = rope(positions, q, k)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     if dtype == torch.float32:  # same roundings, no FMA: equal to the bit
@@ -86,22 +143,23 @@ def test_rotary_rejects_positions_outside_the_table() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_torch(monkeypatch, dtype) -> None:
-    from pagedllm.layers.activation import SiluAndMul
-
+@pytest.mark.parametrize(
+    ("op", "kernel"), [(SiluAndMul, "silu_and_mul"), (GeluTanhAndMul, "gelu_tanh_and_mul")]
+)
+def test_gated_activations_match_torch(monkeypatch, dtype, op, kernel) -> None:
     torch.manual_seed(0)
     x = torch.randn(6, 2 * 40, dtype=dtype) * 8  # wide enough to reach exp's far range
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     with torch.inference_mode():
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
-        want = SiluAndMul()(x)
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+        want = native(lambda: op(dtype))(x)
         calls = []
-        real = cpu_fused.silu_and_mul
-        monkeypatch.setattr(cpu_fused, "silu_and_mul", lambda t: calls.append(1) or real(t))
-        got = SiluAndMul()(x)
+        real = getattr(cpu_fused, kernel)
+        monkeypatch.setattr(cpu_fused, kernel, lambda t: calls.append(1) or real(t))
+        got = op(dtype)(x)
     assert calls == [1]
-    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else _tol(dtype)
+    # fp32: SiLU within 1e-6; tanh's last bits differ from ATen's vectorized tanh
+    fp32 = 1e-6 if op is SiluAndMul else 1e-5
+    tol = {"atol": fp32, "rtol": fp32} if dtype == torch.float32 else _tol(dtype)
     torch.testing.assert_close(got, want, **tol)
 
 
@@ -120,8 +178,6 @@ def test_gemv_matches_torch(dtype, rows, bias) -> None:
 
 
 def test_linear_layer_takes_the_gemv_at_one_row_only(monkeypatch) -> None:
-    from pagedllm.layers.linear import ReplicatedLinear
-
     layer = ReplicatedLinear(48, 32, bias=True)
     layer.weight.copy_(torch.randn(32, 48))
     layer.bias.copy_(torch.randn(32))

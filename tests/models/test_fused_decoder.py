@@ -1,7 +1,9 @@
-"""The fused CPU decoder layers (one C++ call for every layer of a step) give exactly the
-results of the layers' Python forward: same tokens, same logprobs to the bit, through prefill
-chunks, prefix-cache hits and decode, for each architecture, dtype and the int8 path. And they
-step aside where they cannot run a layer (torch attention backend, fused ops switched off)."""
+"""The runner's fused CPU decoder (one C++ call for every layer of a step) gives exactly the
+results of the layers' Python modules (enforce_eager=True): same tokens, same logprobs to the
+bit, through prefill chunks, prefix-cache hits and decode, for each architecture and layer
+variant (q/k norms, offset norms, norms after attention and MLP, GeGLU, per-layer windows and
+rotary bases, a query scale), dtype and the int8 path. It is built once, rebuilt only on an
+explicit call, and steps aside where it cannot run a layer."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from helpers.generation import random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import cpu_fused
+from pagedllm.worker.cpu_decoder import CpuFusedDecoder
 
 CASES = [
     ("llama", "float32", None),
@@ -21,6 +24,10 @@ CASES = [
     ("mistral", "float32", None),  # sliding window shorter than the prompts
     ("qwen2", "float32", None),  # qkv bias
     ("qwen2", "bfloat16", "int8"),  # bias added after the int8 product, in bf16
+    ("qwen3", "float32", None),  # per-head q / k norms, explicit head_dim
+    ("qwen3", "bfloat16", "int8"),
+    ("gemma3", "float32", None),  # every Gemma 3 variant, window 8 < the prompts
+    ("gemma3", "bfloat16", None),
 ]
 
 
@@ -31,21 +38,17 @@ def kernel() -> None:
 
 
 class FusedCounter:
-    """Counts calls of the fused decoder layers; off() makes every forward skip them."""
+    """Counts calls of the fused decoder."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        self._monkeypatch = monkeypatch
-        real = cpu_fused.decoder_layers
+        real = CpuFusedDecoder.__call__
 
-        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def counted(decoder, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             self.calls += 1
-            return real(*args, **kwargs)
+            return real(decoder, *args, **kwargs)
 
-        monkeypatch.setattr(cpu_fused, "decoder_layers", counted)
-
-    def off(self) -> None:
-        self._monkeypatch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "0")
+        monkeypatch.setattr(CpuFusedDecoder, "__call__", counted)
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -59,13 +62,11 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     return result
 
 
-@pytest.mark.parametrize(("arch", "dtype", "quantization"), CASES)
-def test_fused_layers_equal_the_python_layers(
-    model_factory, monkeypatch, arch, dtype, quantization
-):
-    counter = FusedCounter(monkeypatch)
+def run_engine(
+    model_dir: str, dtype: str, quantization: str | None, enforce_eager: bool
+) -> tuple[list[tuple[list[int], list[float]]], LLM]:
     llm = LLM(
-        str(model_factory(arch)),
+        model_dir,
         dtype=dtype,
         quantization=quantization,
         block_size=4,
@@ -73,21 +74,30 @@ def test_fused_layers_equal_the_python_layers(
         max_num_seqs=4,
         enable_prefix_caching=True,
         kv_cache_memory_bytes=1 << 20,
+        enforce_eager=enforce_eager,
     )
     base = random_prompts(3, 20, 45, seed=3)
     prompts = base + [base[0][:16] + [5, 6, 7]]  # shares four full blocks with the first
+    out = generate(llm, prompts)
     engine = llm.llm_engine
-    fused = generate(llm, prompts)
-    assert counter.calls > 0
     assert engine.scheduler.num_prefill_chunks > 0
-    hits = engine.block_manager.prefix_cache_hits
-    assert hits > 0
-    engine.block_manager.reset_prefix_cache()
-    counter.off()
+    assert engine.block_manager.prefix_cache_hits > 0
+    return out, llm
+
+
+@pytest.mark.parametrize(("arch", "dtype", "quantization"), CASES)
+def test_fused_layers_equal_the_python_layers(
+    model_factory, monkeypatch, arch, dtype, quantization
+):
+    counter = FusedCounter(monkeypatch)
+    model_dir = str(model_factory(arch))
+    fused, llm = run_engine(model_dir, dtype, quantization, enforce_eager=False)
+    assert llm.llm_engine.executor.local_runner.fast_path is not None
+    assert counter.calls > 0
     calls = counter.calls
-    python = generate(llm, prompts)
-    assert counter.calls == calls
-    assert engine.block_manager.prefix_cache_hits - hits > 0
+    python, eager = run_engine(model_dir, dtype, quantization, enforce_eager=True)
+    assert eager.llm_engine.executor.local_runner.fast_path is None
+    assert counter.calls == calls  # enforce_eager: the modules ran every step
     assert fused == python  # token ids and logprobs, bit for bit
 
 
@@ -97,54 +107,60 @@ def test_layers_without_the_cpu_kernel_take_the_python_path(model_factory, monke
     generate(llm, [[5, 6, 7, 8]])
     assert counter.calls == 0
     for switch in ("PAGEDLLM_CPU_FUSED_DECODER", "PAGEDLLM_CPU_FUSED_OPS"):
-        monkeypatch.setenv(switch, "0")
+        monkeypatch.setenv(switch, "0")  # read once, by create_engine_config
         llm = LLM(str(model_factory("llama")), dtype="float32")
+        monkeypatch.delenv(switch)
         generate(llm, [[5, 6, 7, 8]])
         assert counter.calls == 0
-        monkeypatch.delenv(switch)
+        assert llm.llm_engine.executor.local_runner.fast_path is None
 
 
-def test_replaced_modules_and_caches_are_seen(model_factory, monkeypatch):
-    """The operands are kept between steps; replacing a linear module (quantizing a model
-    that already ran) or re-allocating the KV cache rebuilds them."""
+def test_the_fast_path_changes_only_on_an_explicit_rebuild(model_factory, monkeypatch):
+    """Built once with the KV cache; quantizing a model that already ran takes effect at
+    rebuild_fast_path(); re-allocating the KV cache rebuilds it."""
     from pagedllm.layers.quantization import DynamicQuantConfig
 
     FusedCounter(monkeypatch)
     llm = LLM(str(model_factory("llama")), dtype="float32", max_num_seqs=2)
     engine = llm.llm_engine
-    model = engine.model.model
+    runner = engine.executor.local_runner
     prompt = [[9, 10, 11, 12, 13]]
     generate(llm, prompt)
-    first = model._fused_operands[2]
+    first = runner.fast_path
     generate(llm, prompt)
-    assert model._fused_operands[2] is first  # kept
+    assert runner.fast_path is first  # kept between steps
     DynamicQuantConfig().apply(engine.model)
+    assert runner.fast_path is first  # nothing watches the modules
+    runner.rebuild_fast_path()
     quantized = generate(llm, prompt)
-    operands = model._fused_operands[2]
-    assert operands is not first
+    operands = runner.fast_path.operands
+    assert runner.fast_path is not first
     assert any(t is not None and t.dtype == torch.int8 for t in operands.tensors)
     fresh = LLM(str(model_factory("llama")), dtype="float32", quantization="int8")
     assert generate(fresh, prompt) == quantized
-    runner = engine.executor.runner
+    current = runner.fast_path
     runner.allocate_kv_cache(runner.num_blocks)
     generate(llm, prompt)
-    assert model._fused_operands[2] is not operands
+    assert runner.fast_path is not current
 
 
-def test_hooked_layers_run_one_by_one_with_the_same_results(model_factory, monkeypatch):
-    """With forward hooks on the layers (the partition profiler times each one) every layer
-    is its own fused call, the hooks fire, and nothing else changes."""
+def test_layer_by_layer_calls_every_layer_with_the_same_results(model_factory, monkeypatch):
+    """runner.forward(layer_by_layer=True) (the partition profiler's per-layer timers) calls
+    each layer module, so its forward hooks fire, and computes the same hidden states."""
     counter = FusedCounter(monkeypatch)
     llm = LLM(str(model_factory("llama")), dtype="float32", max_num_seqs=2)
-    prompts = random_prompts(2, 10, 20, seed=5)
-    whole = generate(llm, prompts)
-    layers = llm.llm_engine.model.model.layers
-    steps = counter.calls
+    engine = llm.llm_engine
+    runner = engine.executor.local_runner
+    engine.add_request("a", {"prompt_token_ids": random_prompts(1, 10, 20, seed=5)[0]})
+    inp = runner.prepare_input(engine.scheduler.schedule())
     seen = []
+    layers = runner.model.model.layers
     handles = [layer.register_forward_hook(lambda *_: seen.append(1)) for layer in layers]
-    calls = counter.calls
-    one_by_one = generate(llm, prompts)
+    fused = runner.forward(inp)
+    assert counter.calls == 1 and not seen
+    by_layer = runner.forward(inp, layer_by_layer=True)  # rewrites the same K/V slots
     for h in handles:
         h.remove()
-    assert one_by_one == whole
-    assert len(seen) == counter.calls - calls == len(layers) * steps
+    assert counter.calls == 1
+    assert len(seen) == len(layers)
+    assert torch.equal(fused, by_layer)

@@ -3,8 +3,9 @@
 Same names, arguments, shapes and semantics as flash-attn 2 (causal masks aligned
 bottom-right, ``window_size=(left, right)`` with -1 unbounded, GQA/MQA through fewer K/V heads,
 ``block_table`` for a paged K/V cache), on CPU as well as CUDA and in fp32 as well as fp16 /
-bf16 (always fp32 accumulation). Each call goes to the C++ kernel on CPU, the Triton kernels on
-CUDA, or the torch path (training with autograd, dropout, ALiBi, softcap, odd head dims).
+bf16 (always fp32 accumulation). Each call goes to the kernel the attention backend registry
+picks (attention/backend.py): the C++ kernel on CPU, the Triton kernels on CUDA, or the torch
+reference (training with autograd, dropout, ALiBi, softcap, odd head dims).
 ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the log-sum-exp is exact, the
 probability matrix (flash-attn's test-only ``S_dmask``) is not materialised.
 """
@@ -13,12 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import envs
-from pagedllm.attention import cpu_kernels, torch_varlen
+from pagedllm.attention.backend import available_backends, backend_class, select_kernel
 from pagedllm.attention.metadata import VarlenBatch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-IMPLS = ("cpu", "triton", "torch")
 
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
@@ -70,27 +69,6 @@ def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
     return left, (0 if causal else right)
 
 
-def _triton_available(device: torch.device) -> bool:
-    if device.type != "cuda" and not envs.TRITON_INTERPRET():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def choose_impl(q: torch.Tensor, k: torch.Tensor, needs_torch: bool) -> str:
-    """The fastest implementation that takes this call."""
-    if needs_torch:
-        return "torch"
-    if q.device.type == "cuda" and _triton_available(q.device):
-        return "triton"
-    if cpu_kernels.supports(q, k) and cpu_kernels.load():
-        return "cpu"
-    return "torch"
-
-
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,20 +82,21 @@ def attention_varlen(
     return_lse: bool = False,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every flash-attn entry point lands here; impl forces "cpu", "triton" or "torch"."""
+    """Every flash-attn entry point lands here. The kernel comes from the attention backend
+    registry (attention/backend.py), as the engine's does; impl forces a backend by name."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    needs_torch = needs_grad or dropout_p > 0 or softcap > 0 or alibi_slopes is not None
-    impl = impl or choose_impl(q, k, needs_torch)
-    if impl == "cpu":
-        return cpu_kernels.varlen_attention(q, k, v, batch, scale, *window, return_lse)
-    if impl == "triton":
-        from pagedllm.attention import triton_kernels
-
-        return triton_kernels.varlen_attention(q, k, v, batch, scale, *window, return_lse)
-    _check(impl == "torch", f"impl must be one of {IMPLS}, got {impl!r}")
-    return torch_varlen.varlen_attention(
-        q, k, v, batch, scale, *window, return_lse, dropout_p, softcap, alibi_slopes
-    )
+    extras = dropout_p > 0 or softcap > 0 or alibi_slopes is not None
+    if impl is None:
+        impl, kernel = select_kernel(q, k, reference=needs_grad or extras)
+    else:
+        _check(impl in available_backends(), f"impl must be one of {available_backends()}")
+        kernel = backend_class(impl).kernel
+    if impl == "torch":
+        return kernel(
+            q, k, v, batch, scale, *window, return_lse,
+            dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+    return kernel(q, k, v, batch, scale, *window, return_lse)
 
 
 def _reject_unsupported(deterministic: bool, alibi_slopes: torch.Tensor | None, heads: int) -> None:

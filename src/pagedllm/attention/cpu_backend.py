@@ -12,19 +12,23 @@ import torch
 from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backend import AttentionBackend, VarlenKernelBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.attention.tuning import get_tuning
 
 
 class CpuAttentionBackend(VarlenKernelBackend):
     name = "cpu"
     kernel = staticmethod(cpu_kernels.varlen_attention)
 
-    def __init__(self) -> None:
+    def __init__(self, tiles: str | None = None) -> None:
+        super().__init__(tiles)
         self._kernel = cpu_kernels.load()
         self._torch = TorchAttentionBackend()  # without the kernel, or for inputs it rejects
 
+    @classmethod
+    def supports(cls, query: torch.Tensor, key: torch.Tensor) -> bool:
+        return cpu_kernels.supports(query, key) and cpu_kernels.load()
+
     def delegate(self, query: torch.Tensor, key_cache: torch.Tensor) -> AttentionBackend | None:
-        if self._kernel and cpu_kernels.supports(query, key_cache):
+        if self._kernel and cpu_kernels.supports(query, key_cache):  # load() ran in __init__
             return None
         return self._torch
 
@@ -35,8 +39,7 @@ class CpuAttentionBackend(VarlenKernelBackend):
         query = torch.empty(0, num_heads, head_dim, dtype=dtype)
         if key_cache.dim() != 4 or self.delegate(query, key_cache) is not None:
             return None
-        # the tiles varlen_attention picks for this call (cpu_kernels.varlen_attention)
-        tuning = get_tuning("cpu", head_dim, num_heads // key_cache.shape[-2], dtype)
+        tuning = self.tuning(query, key_cache)  # what attend hands the kernel
         return tuning.block_m, tuning.block_n
 
     @property

@@ -1,9 +1,12 @@
-"""Vectorised torch attention over the paged KV cache: the reference and portable backend.
+"""The torch reference implementation of attention: the "torch" backend, and the path of the
+flash-attn functions that covers what the kernels leave out (autograd, dropout, ALiBi, softcap,
+head dims that are not a multiple of 16).
 
-Decode (one query per sequence) is two batched matmuls over [B, kv_heads, group, head_dim]
-rather than scaled_dot_product_attention, which is many times slower for one query on CPU.
-Prefill sequences go one by one through scaled_dot_product_attention; a prompt with no
-cached prefix attends to its own new keys directly, without reading the cache back.
+One function, :func:`varlen_attention` (the signature of attention.backend.VarlenKernel), over
+contiguous or paged K/V: one sequence at a time, materialising its scores ([heads, query_len,
+key_len] fp32). A batch of decode rows over a paged cache (one query per sequence, nothing
+to differentiate) takes two batched matmuls over [B, kv_heads, group, head_dim] instead, many
+times faster than a loop for one query each.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend, PagedAttentionCall
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.backend import VarlenKernelBackend
+from pagedllm.attention.metadata import VarlenBatch
 
 
 def gather_kv(
@@ -59,72 +62,120 @@ def decode_attention(
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
-def prefill_attention(
-    query: torch.Tensor,  # [n, num_heads, head_dim]
-    key: torch.Tensor,  # [L, num_kv_heads, head_dim]
+def visible_keys(
+    query_len: int, key_len: int, window_left: int, window_right: int, device: torch.device
+) -> torch.Tensor:  # [query_len, key_len] bool
+    """Which keys each query sees; queries are the last query_len positions (bottom-right)."""
+    pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]
+    key = torch.arange(key_len, device=device)[None, :]
+    visible = torch.ones(query_len, key_len, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= key >= pos - window_left
+    if window_right >= 0:
+        visible &= key <= pos + window_right
+    return visible
+
+
+def sequence_kv(
+    cache: torch.Tensor, batch: VarlenBatch, index: int, key_len: int
+) -> torch.Tensor:  # [key_len, kv_heads, head_dim]
+    if batch.block_table is not None:
+        return gather_kv(cache, batch.block_table[index], key_len)
+    start = int(batch.cu_seqlens_k[index])
+    return cache[start : start + key_len]
+
+
+def attend_sequence(
+    q: torch.Tensor,  # [n, heads, head_dim]
+    k: torch.Tensor,  # [L, kv_heads, head_dim]
+    v: torch.Tensor,
+    visible: torch.Tensor,  # [n, L]
+    scale: float,
+    dropout_p: float,
+    softcap: float,
+    alibi: torch.Tensor | None,  # [heads] slopes
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [n, heads, head_dim], lse [heads, n] fp32
+    n, heads, head_dim = q.shape
+    length, kv_heads = k.shape[:2]
+    group = heads // kv_heads
+    qg = q.float().view(n, kv_heads, group, head_dim)
+    scores = torch.einsum("nhgd,lhd->hgnl", qg, k.float()) * scale  # [kvh, group, n, L]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        pos = torch.arange(length - n, length, device=q.device)[:, None]
+        dist = (pos - torch.arange(length, device=q.device)[None, :]).abs()
+        scores = scores - alibi.float().view(kv_heads, group, 1, 1) * dist
+    # A row that sees no key gets finite scores here (so gradients stay finite), then zero
+    # probabilities, and lse +inf as in flash-attn.
+    empty = ~visible.any(dim=-1, keepdim=True)  # [n, 1]
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores, dim=-1)  # [kvh, group, n]
+    probs = torch.exp(scores - lse[..., None]).masked_fill(empty, 0.0)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    out = torch.einsum("hgnl,lhd->nhgd", probs, v.float()).reshape(n, heads, head_dim)
+    lse = lse.masked_fill(empty[:, 0], float("inf"))
+    return out.to(q.dtype), lse.reshape(heads, n)
+
+
+def _batched_decode(
+    query: torch.Tensor, batch: VarlenBatch, needs_more: bool, return_lse: bool
+) -> bool:
+    """Whether a call is decode rows over a paged cache that the batched path computes."""
+    return (
+        batch.block_table is not None
+        and batch.max_seqlen_q == 1
+        and query.shape[0] == batch.seq_lens_k.shape[0]
+        and not needs_more
+        and not return_lse
+        and not (torch.is_grad_enabled() and query.requires_grad)
+    )
+
+
+def varlen_attention(
+    query: torch.Tensor,  # [total_q, heads, head_dim]
+    key: torch.Tensor,  # [total_k, kv_heads, head_dim] or paged [blocks, block_size, ...]
     value: torch.Tensor,
+    batch: VarlenBatch,
     scale: float,
     window_left: int,
-) -> torch.Tensor:
-    """Causal attention of the last n positions of an L-long sequence (bottom-right aligned)."""
-    n, length = query.shape[0], key.shape[0]
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    if n == length and window_left < 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        query_pos = torch.arange(length - n, length, device=query.device)[:, None]
-        key_pos = torch.arange(length, device=query.device)[None, :]
-        mask = key_mask(query_pos, key_pos, window_left)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+    window_right: int,
+    return_lse: bool = False,
+    *,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [heads] or [B, heads] fp32
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # out like query, lse [heads, total_q] fp32
+    needs_more = dropout_p > 0 or softcap > 0 or alibi_slopes is not None
+    if _batched_decode(query, batch, needs_more, return_lse):
+        out = decode_attention(
+            query, key, value, batch.block_table, batch.seq_lens_k, batch.max_seqlen_k, scale,
+            window_left,
+        )  # fmt: skip
+        return out, None
+    outs, lses = [], []
+    starts = batch.cu_seqlens_q.tolist()
+    key_lens = batch.seq_lens_k.tolist()
+    for i, key_len in enumerate(key_lens):
+        q = query[starts[i] : starts[i + 1]]
+        k = sequence_kv(key, batch, i, key_len)
+        v = sequence_kv(value, batch, i, key_len)
+        visible = visible_keys(q.shape[0], key_len, window_left, window_right, query.device)
+        alibi = None
+        if alibi_slopes is not None:
+            alibi = alibi_slopes[i] if alibi_slopes.dim() == 2 else alibi_slopes
+        out, lse = attend_sequence(q, k, v, visible, scale, dropout_p, softcap, alibi)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs) if outs else torch.empty_like(query)
+    lse = torch.cat(lses, dim=1) if return_lse and lses else None
+    return out, lse
 
 
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(VarlenKernelBackend):
+    """Portable: any device, dtype and head size."""
+
     name = "torch"
-
-    def attend(self, call: PagedAttentionCall, metadata: AttentionMetadata) -> torch.Tensor:
-        query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
-        scale, window_left, batch = call.scale, call.window_left, metadata.batch
-        if metadata.is_decode_only:
-            return decode_attention(
-                query,
-                key_cache,
-                value_cache,
-                metadata.block_table,
-                batch.seq_lens_k,
-                batch.max_seqlen_k,
-                scale,
-                window_left,
-            )
-        out = torch.empty_like(query)
-        decode_rows: list[int] = []
-        starts = batch.cu_seqlens_q.tolist()
-        for i, (n, length) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-            start = starts[i]
-            if n == 1:
-                decode_rows.append(i)
-                continue
-            if n == length:  # nothing cached: the new keys are the whole sequence
-                k, v = call.key[start : start + n], call.value[start : start + n]
-            else:
-                table = metadata.block_table[i]
-                k = gather_kv(key_cache, table, length)
-                v = gather_kv(value_cache, table, length)
-            out[start : start + n] = prefill_attention(
-                query[start : start + n], k, v, scale, window_left
-            )
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=query.device)
-            token_idx = batch.cu_seqlens_q[rows].long()
-            max_len = max(metadata.seq_lens_cpu[i] for i in decode_rows)
-            out[token_idx] = decode_attention(
-                query[token_idx],
-                key_cache,
-                value_cache,
-                metadata.block_table[rows],
-                batch.seq_lens_k[rows],
-                max_len,
-                scale,
-                window_left,
-            )
-        return out
+    kernel = staticmethod(varlen_attention)
+    tuned = False

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.metadata import VarlenBatch
-from pagedllm.attention.tuning import AttentionTuning, get_tuning
+from pagedllm.attention.tuning import AttentionTuning, env_tiles, get_tuning
 
 _UNBOUNDED = 1 << 30  # a window side of -1 becomes this: no branch in the kernel
 _LOG2E = 1.4426950408889634
@@ -183,7 +183,7 @@ def varlen_attention(
     total_q, heads, head_dim = query.shape
     kv_heads = key.shape[-2]
     group = heads // kv_heads
-    tuning = tuning or get_tuning(query.device, head_dim, group, query.dtype)
+    tuning = tuning or get_tuning(query.device, head_dim, group, query.dtype, env_tiles())
     paged = batch.block_table is not None
     # Rows are (token, group head) pairs: a decode tile needs only `group` of them.
     block_m = max(16, min(tuning.block_m, triton.next_power_of_2(batch.max_seqlen_q * group)))

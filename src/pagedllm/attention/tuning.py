@@ -22,7 +22,9 @@ CUDA (the Triton kernels):
   (sequence, KV head) programs than SMs is split into chunks of this size.
 
 The chosen tiles are logged once per shape and returned by :func:`get_tuning`; they can be
-overridden with ``PAGEDLLM_ATTENTION_TILES="block_m=32,block_n=64"`` or by passing fields to
+overridden with ``PAGEDLLM_ATTENTION_TILES="block_m=32,block_n=64"`` (resolved once: into the
+engine's KernelConfig by create_engine_config, which the runner hands its attention backend;
+for the flash-attn functions once per process, :func:`env_tiles`) or by passing fields to
 :func:`get_tuning`.
 """
 
@@ -175,19 +177,25 @@ def _tuning(
     return tuning
 
 
+@functools.cache
+def env_tiles() -> str | None:
+    """PAGEDLLM_ATTENTION_TILES as the flash-attn functions use it, read once per process."""
+    return envs.PAGEDLLM_ATTENTION_TILES()
+
+
 def get_tuning(
     device: torch.device | str = "cpu",
     head_dim: int = 128,
     group: int = 1,
     dtype: torch.dtype = torch.bfloat16,
+    tiles: str | None = None,
     **overrides: int,
 ) -> AttentionTuning:
-    """The tiles the kernels use for this shape on this device; fields in overrides win."""
+    """The tiles the kernels use for this shape on this device: the rule, then ``tiles``
+    ("block_m=32,block_n=64", the PAGEDLLM_ATTENTION_TILES format), then fields in overrides."""
     device = torch.device(device)
     elem = torch.empty(0, dtype=dtype).element_size()
-    tuning = _tuning(
-        device.type, device.index, head_dim, group, elem, envs.PAGEDLLM_ATTENTION_TILES()
-    )
+    tuning = _tuning(device.type, device.index, head_dim, group, elem, tiles)
     if overrides:
         tuning = dataclasses.replace(tuning, source="arg", **overrides)
     return tuning

@@ -1,17 +1,34 @@
-"""SwiGLU on a merged [gate | up] projection."""
+"""Gated activations on a merged [gate | up] projection: SwiGLU and GeGLU (tanh GELU)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
-        if x.dim() == 2 and x.stride(1) == 1 and cpu_fused.usable(x):
-            return cpu_fused.silu_and_mul(x)  # one pass, no thread pool for a few rows
+class SiluAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one temporary less per layer
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return self.forward_native(x)
+        return cpu_fused.silu_and_mul(x)  # one pass, no thread pool for a few rows
+
+
+class GeluTanhAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return self.forward_native(x)
+        return cpu_fused.gelu_tanh_and_mul(x)
+
+
+ACTIVATIONS = {"silu": SiluAndMul, "gelu_tanh": GeluTanhAndMul}

@@ -22,20 +22,6 @@ class Attention(nn.Module):
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
 
-    def fused_operands(
-        self, dtype: torch.dtype
-    ) -> tuple[list[torch.Tensor], list[int], float] | None:
-        """([key_cache, value_cache], [heads, kv_heads, head_dim, window_left, block_m,
-        block_n], scale) for the fused CPU decoder layers, when this layer's forward is the
-        cache write plus one call of the C++ CPU attention kernel; None otherwise."""
-        if self.backend is None:
-            return None
-        tiles = self.backend.cpu_kernel_tiles(dtype, self.num_heads, self.key_cache)
-        if tiles is None:
-            return None
-        ints = [self.num_heads, self.num_kv_heads, self.head_dim, self.window_left, *tiles]
-        return [self.key_cache, self.value_cache], ints, self.scale
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads * head_dim], k / v [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
         assert self.backend is not None, "KV cache not bound"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.attention.cpu_kernels import load_cpp_ops
+from pagedllm.cpp_build import load_cpp_ops
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.distributed.communicator import Communicator
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.custom_op import current_target
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,6 +34,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.rows, hidden_size, dtype=dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        self.cpu_gemv = current_target().uses_cpu_kernels(dtype)  # the LM head's decode rows
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         part = loaded[self.start : self.start + self.rows]
@@ -57,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary slice of each rank, gathered into the full vocabulary."""
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, rows]
-        if cpu_fused.gemv_usable(hidden, self.weight):  # a few rows on the CPU (decode)
+        if self.cpu_gemv and cpu_fused.gemv_takes(hidden):  # a few rows on the CPU (decode)
             return cpu_fused.gemv(hidden, self.weight, None)
         return F.linear(hidden, self.weight)
 

@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.distributed.communicator import Communicator
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.custom_op import current_target
 
 
 def _param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:  # noqa: ANN001
@@ -33,6 +34,8 @@ class LinearBase(nn.Module):
         self.in_features, self.out_features = in_local, out_local
         self.weight = _param(out_local, in_local, dtype=dtype, loader=self.weight_loader)
         self.bias = _param(out_local, dtype=dtype, loader=self.weight_loader) if bias else None
+        # chosen once: decode rows on a CPU take the C++ GEMV (a float weight of this dtype)
+        self.cpu_gemv = current_target().uses_cpu_kernels(dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
@@ -40,7 +43,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias; a quantized layer overrides this and nothing else. A few rows on the
         CPU (decode) take the C++ GEMV, which streams the weight at memory speed."""
-        if cpu_fused.gemv_usable(x, self.weight):
+        if self.cpu_gemv and cpu_fused.gemv_takes(x):
             return cpu_fused.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -48,9 +51,10 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def fused_operands(self) -> tuple[list[torch.Tensor | None], int] | None:
-        """([weight, rowsum, scale, bias], activation levels) for the fused CPU decoder layers
-        (layers/cpu_fused.py), or None where they cannot run this layer's product: under tensor
-        parallelism, or where a subclass overrides matmul. A float weight has no rowsum."""
+        """How the runner's fused CPU decoder (worker/cpu_decoder.py) computes this layer's
+        product: ([weight, rowsum, scale, bias], activation levels), or None where it cannot:
+        under tensor parallelism, or where a subclass overrides matmul without saying. A float
+        weight has no rowsum. A linear class with its own product overrides this too."""
         if self.comm.world_size != 1 or type(self).matmul is not LinearBase.matmul:
             return None
         return [self.weight, None, None, self.bias], 0

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.custom_op import CustomOp
 
 
-def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from either the new or the old config field names."""
+def rope_parameters(
+    hf_config: Any, layer_type: str | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from either the new or the old config field names; with
+    layer_type, that kind of layer's (Gemma 3: "sliding_attention" layers have their own base,
+    rope_local_base_freq in older configs, and no scaling)."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     theta = getattr(hf_config, "rope_theta", None)
+    if params and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]  # per layer type (transformers >= 5 layout)
+    elif layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None):
+        return float(hf_config.rope_local_base_freq), None
     if params and "rope_theta" in params:
         theta = params["rope_theta"]
     scaling = None
@@ -43,7 +53,34 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.T
     raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3).")
 
 
-class RotaryEmbedding(nn.Module):
+# (head_dim, positions, theta, scaling, dtype, device, "cos" | "sin") -> table. Layers of one
+# kind share their tables (a 32k-position Gemma 3 table of 256 dims is 32 MiB a layer); held
+# weakly, so the tables go with the last model that uses them.
+_TABLES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _tables(
+    head_dim: int,
+    max_position: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [max_position, head_dim] on the current default device, shared."""
+    device = str(torch.empty(0).device)
+    key = (head_dim, max_position, theta, json.dumps(scaling, sort_keys=True), dtype, device)
+    cos, sin = _TABLES.get((*key, "cos")), _TABLES.get((*key, "sin"))
+    if cos is None or sin is None:
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        _TABLES[(*key, "cos")], _TABLES[(*key, "sin")] = cos, sin
+    return cos, sin
+
+
+class RotaryEmbedding(CustomOp):
     def __init__(
         self,
         head_dim: int,
@@ -52,7 +89,7 @@ class RotaryEmbedding(nn.Module):
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
     ) -> None:
-        super().__init__()
+        super().__init__(dtype)
         self.head_dim, self.max_position, self.theta, self.scaling = (
             head_dim,
             max_position,
@@ -74,34 +111,25 @@ class RotaryEmbedding(nn.Module):
             self.cos = torch.empty(self.max_position, self.head_dim, dtype=dtype)
             self.sin = torch.empty(self.max_position, self.head_dim, dtype=dtype)
             return
-        inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
-        t = torch.arange(self.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
-
-    def fused_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) tables for the fused CPU decoder layers, whose q and k are in dtype."""
-        return (self.cos, self.sin) if self.cos.dtype == dtype else None
+        self.cos, self.sin = _tables(self.head_dim, self.max_position, self.theta,
+                                     self.scaling, dtype)  # fmt: skip
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(
+    def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated by their positions."""
-        if (
-            positions.dtype == torch.long
-            and q.dtype == self.cos.dtype == k.dtype
-            and q.stride(-1) == 1
-            and k.stride(-1) == 1
-            and cpu_fused.usable(q)
-        ):
-            return cpu_fused.rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def forward_cpu(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != self.cos.dtype:
+            return self.forward_native(positions, q, k)
+        return cpu_fused.rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)

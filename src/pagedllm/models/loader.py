@@ -13,6 +13,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.distributed.parallel_state import model_parallel
 from pagedllm.dtypes import torch_dtype
+from pagedllm.layers.custom_op import OpTarget, build_target
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.sources import open_source
 
@@ -30,8 +31,6 @@ class MissingLayer(nn.Module):
 
 class PassThroughLayer(MissingLayer):
     """A decoder layer of another tier: (hidden, residual) go through unchanged."""
-
-    passes_through = True  # nothing to run: the fused CPU decoder layers skip it
 
     def forward(  # type: ignore[override]
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -73,16 +72,17 @@ def keep_layers(model: nn.Module, layer_range: tuple[int, int]) -> None:
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Give a model built on the meta device uninitialised storage on ``device``. Each
-    parameter keeps its identity (ties between modules) and attributes (weight_loader);
-    buffers are recomputed by their modules' reset_buffers()."""
+    parameter keeps its identity (ties between modules) and its weight_loader; buffers are
+    recomputed by their modules' reset_buffers()."""
     for param in model.parameters():  # a shared parameter once
-        attrs = dict(param.__dict__)
         # torch.empty, not empty_like: empty_like of a meta tensor runs torch's Python
         # reference op, whose first use imports torch._dynamo and sympy (seconds)
         storage = torch.empty(param.shape, dtype=param.dtype, device=device)
         real = nn.Parameter(storage, requires_grad=False)
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:  # swap_tensors swaps the Python attributes too
+            real.weight_loader = loader
         torch.utils.swap_tensors(param, real)
-        param.__dict__.update(attrs)
     with torch.device(device):
         for module in model.modules():
             if hasattr(module, "reset_buffers"):
@@ -90,12 +90,17 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device, comm: Communicator = SINGLE
+    config: ModelConfig,
+    device: torch.device,
+    comm: Communicator = SINGLE,
+    cpu_fused_ops: bool = True,
 ) -> nn.Module:
     """The model, uninitialised, sharded over comm; only layer_range's layers when it is set
-    (built on the meta device first, so that another tier's layers never take memory)."""
+    (built on the meta device first, so that another tier's layers never take memory). Its
+    ops pick their implementation for ``device`` as they are built (layers/custom_op.py)."""
     cls = get_model_class(config.architecture)
-    with torch.device("meta"), model_parallel(comm):
+    target = OpTarget(device.type, cpu_fused_ops)
+    with torch.device("meta"), model_parallel(comm), build_target(target):
         model = cls(config.hf_config, torch_dtype(config.dtype))
     if config.layer_range is not None:
         keep_layers(model, config.layer_range)
@@ -144,8 +149,13 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         )
 
 
-def load_model(config: ModelConfig, device: torch.device, comm: Communicator = SINGLE) -> nn.Module:
-    model = build_model(config, device, comm)
+def load_model(
+    config: ModelConfig,
+    device: torch.device,
+    comm: Communicator = SINGLE,
+    cpu_fused_ops: bool = True,
+) -> nn.Module:
+    model = build_model(config, device, comm, cpu_fused_ops)
     quant = None
     if config.quant_config is not None:
         from pagedllm.layers.quantization import DynamicQuantConfig

@@ -10,6 +10,8 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "pagedllm.models.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "pagedllm.models.gemma3:Gemma3ForCausalLM",
 }
 
 

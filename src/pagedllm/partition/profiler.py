@@ -133,7 +133,7 @@ def _timed_step(engine: Any, timer: _NodeTimer, sync: Any) -> _StepTimes:
     sync()
     t2 = time.perf_counter()
     timer.reset()
-    hidden = runner.forward(inp)
+    hidden = runner.forward(inp, layer_by_layer=True)  # the hooks time each layer
     sync()
     t3 = time.perf_counter()
     in_forward = list(timer.totals)

@@ -30,6 +30,7 @@ from pagedllm.dtypes import torch_dtype
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
+from pagedllm.worker.cpu_decoder import CpuFusedDecoder, run_fused
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
 from pagedllm.worker.spec_decode.speculator import Speculator
@@ -79,23 +80,34 @@ class ModelRunner:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.device = torch.device(device_config.device)
+        self.enforce_eager = device_config.enforce_eager
+        self.kernels = device_config.kernels
         if self.device.type == "cuda" and comm.world_size > 1:
             self.device = torch.device("cuda", comm.rank % torch.cuda.device_count())
         self.dtype = torch_dtype(model_config.dtype)
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
-        self.model = load_model(model_config, self.device, comm)
+        self.model = load_model(model_config, self.device, comm, self.kernels.cpu_fused_ops)
         self.load_seconds = time.perf_counter() - start
-        self.backend = get_attention_backend(device_config.attention_backend, self.device)
+        self.backend = get_attention_backend(
+            device_config.attention_backend, self.device, self.kernels.attention_tiles
+        )
         self.sampler = Sampler(self.device)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = Speculator(
-                speculative_config, model_config, self.device, self.sampler.generator_for
+                speculative_config,
+                model_config,
+                self.device,
+                self.sampler.generator_for,
+                self.kernels.cpu_fused_ops,
             )
         self.kv_spec: KVCacheSpec | None = None  # the allocated cache's layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_buffer: mmap.mmap | None = None  # backs the CPU cache (see _zeroed)
+        # How steps run beyond the modules' own forward: built by rebuild_fast_path
+        self.fast_path: CpuFusedDecoder | None = None
+        self.draft_fast_path: CpuFusedDecoder | None = None
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
@@ -176,6 +188,32 @@ class ModelRunner:
         if self.speculator is not None and self.speculator.draft is not None:
             self._allocate_draft_kv_cache(num_blocks)
         self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
+        self.rebuild_fast_path()
+
+    # ---- how a step runs -----------------------------------------------------------------
+    def rebuild_fast_path(self) -> None:
+        """Decide, from the model as it is now, how steps run: on a CPU the fused decoder
+        (every decoder layer in one C++ call, worker/cpu_decoder.py), unless enforce_eager or
+        PAGEDLLM_CPU_FUSED_DECODER=0 (then the modules run one by one). allocate_kv_cache calls
+        this; whoever replaces weights, linear classes (quantization) or caches afterwards calls
+        it again. On CUDA this is where decode CUDA-graph capture belongs; CUDA steps run
+        eagerly for now."""
+        self.fast_path = self.draft_fast_path = None
+        if self.enforce_eager or not self.kv_caches or self.device.type != "cpu":
+            return
+        if not self.kernels.cpu_fused_decoder:
+            return
+        self.fast_path = self._build_cpu_decoder(self.model)
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.draft_fast_path = self._build_cpu_decoder(self.speculator.draft.model)
+            self.speculator.draft.fast_path = self.draft_fast_path
+
+    def _build_cpu_decoder(self, model: torch.nn.Module) -> CpuFusedDecoder | None:
+        layers = model.model.layers
+        decoder = CpuFusedDecoder.build(layers, self.dtype)
+        if decoder is None:
+            logger.info("fused CPU decoder off: %s", CpuFusedDecoder.why_not(layers, self.dtype))
+        return decoder
 
     def ensure_kv_cache(self, num_blocks: int) -> None:
         """Allocate a cache of num_blocks unless the one allocated already has that many."""
@@ -273,10 +311,22 @@ class ModelRunner:
         return self.compute_output(inp, hidden)
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inp: ModelInput,
+        hidden_states: torch.Tensor | None = None,
+        layer_by_layer: bool = False,
+    ) -> torch.Tensor:
         """The model over the step's tokens: [num_tokens, hidden]. A partition tier after the
-        first passes the previous tier's hidden_states in place of the embedding."""
+        first passes the previous tier's hidden_states in place of the embedding.
+        layer_by_layer calls every module (so forward hooks, e.g. the partition profiler's
+        timers, see each layer) instead of the fast path."""
         with ForwardContext(inp.metadata):
+            if self.fast_path is not None and not layer_by_layer:
+                return run_fused(
+                    self.model, self.fast_path, inp.input_ids, inp.positions, inp.metadata,
+                    hidden_states,
+                )  # fmt: skip
             if hidden_states is None:
                 return self.model(inp.input_ids, inp.positions)
             return self.model(inp.input_ids, inp.positions, hidden_states)

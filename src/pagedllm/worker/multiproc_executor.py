@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache import KVCacheSpec
@@ -57,7 +56,7 @@ from pagedllm.distributed.parallel_state import (
 )
 from pagedllm.worker.executor import Executor, ExecutorLostError
 from pagedllm.worker.model_runner import ModelInput, ModelOutput, ModelRunner
-from pagedllm.worker.overlap import forward_overlapped, split_batch
+from pagedllm.worker.overlap import forward_overlapped, overlappable, split_batch
 from pagedllm.worker.start_method import worker_context
 
 logger = logging.getLogger(__name__)
@@ -133,7 +132,7 @@ def run_forward(
 ) -> torch.Tensor:
     """The sharded forward, over two interleaved micro-batches when overlap is on."""
     batches = split_batch(inp.input_ids, inp.positions, inp.metadata) if overlap else None
-    if batches is None or comm.world_size == 1:
+    if batches is None or comm.world_size == 1 or not overlappable(runner.model):
         return runner.forward(inp)
     with torch.inference_mode():
         return forward_overlapped(runner.model, batches, comm)
@@ -287,7 +286,7 @@ class MultiprocExecutor(Executor):
         self.comm_overlap = not config.parallel.disable_comm_overlap  # may be flipped per step
         # Below this many tokens a split costs more (twice the collectives, each with its own
         # latency) than the overlap hides; see benchmarks/results/tp.md.
-        self.overlap_min_tokens = envs.PAGEDLLM_OVERLAP_MIN_TOKENS()
+        self.overlap_min_tokens = config.parallel.overlap_min_tokens
         self._error: WorkerDiedError | None = None
         self._threads = torch.get_num_threads()
         if config.device.device == "cpu":

@@ -1,8 +1,8 @@
 """The tensor-parallel forward over two micro-batches whose all-reduces overlap compute.
 
-The model only has to expose its pieces: ``model.model.embed_tokens``, decoder layers whose
-``stages()`` are the halves ``forward`` is built from (each taking ``reduce``), and the final
-``norm``. The schedule itself is distributed.overlap.interleave.
+The model only has to expose its pieces: ``model.model.get_input_embeddings``, decoder layers
+whose ``stages()`` are the halves ``forward`` is built from (each taking ``reduce``), and the
+final ``norm``. The schedule itself is distributed.overlap.interleave.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ def split_batch(
     ]
 
 
+def overlappable(model: nn.Module) -> bool:
+    """Whether every decoder layer's halves end in the all-reduce (no norm after it)."""
+    return all(layer.stages() is not None for layer in model.model.layers)
+
+
 def forward_overlapped(
     model: nn.Module, batches: list[MicroBatch], comm: OverlapCommunicator
 ) -> torch.Tensor:
@@ -51,7 +56,7 @@ def forward_overlapped(
         functools.partial(stage, reduce=False) for layer in inner.layers for stage in layer.stages()
     ]
     sizes = [len(b.input_ids) for b in batches]
-    embedded = inner.embed_tokens(torch.cat([b.input_ids for b in batches]))  # one reduce
+    embedded = inner.get_input_embeddings(torch.cat([b.input_ids for b in batches]))  # one reduce
     hidden = list(embedded.split(sizes))
     outs = interleave(stages, batches, hidden, comm, ForwardContext)
     return torch.cat([inner.norm(h, r)[0] for h, r in outs])

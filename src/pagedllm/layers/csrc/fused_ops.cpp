@@ -1,5 +1,5 @@
-// Fused ops of the decoder layers for CPU. Residual add + RMSNorm, the rotary embedding of q
-// and k, and SiLU-and-mul: each one pass and one parallel region in place of the five to
+// Fused ops of the decoder layers for CPU. Residual add + RMSNorm (plain or offset), RMSNorm
+// alone, the rotary embedding of q and k, and SiLU-and-mul / GELU(tanh)-and-mul: each one pass and one parallel region in place of the five to
 // fifteen small ATen ops (each its own pass over memory and its own thread-pool round trip)
 // of the torch path. The arithmetic follows the torch path step by step, rounding to the
 // tensor dtype where it does (built with -ffp-contract=off, so no FMA changes a rounding);
@@ -37,9 +37,47 @@ void with_float_type(at::ScalarType dtype, const char* op, F&& fn) {
   }
 }
 
+// One row's scaled output from the row r (float sums of its squares in `sum`): Llama's
+// weight * T(r * inv), or with offset (Gemma) T(r * inv * (1 + weight)) all in float.
+template <typename T>
+inline void scale_row(const T* r, T* out, const T* wp, int64_t dim, float sum, double eps,
+                      bool offset) {
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+  if (offset) {
+    for (int64_t i = 0; i < dim; ++i) {
+      const float normed = static_cast<float>(r[i]) * inv;
+      out[i] = static_cast<T>(normed * (1.f + static_cast<float>(wp[i])));
+    }
+    return;
+  }
+  for (int64_t i = 0; i < dim; ++i) {
+    T normed = static_cast<T>(static_cast<float>(r[i]) * inv);
+    out[i] = static_cast<T>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+  }
+}
+
+template <typename T>
+float sum_of_squares(const T* r, int64_t dim) {
+  float lanes[16] = {0.f};  // 16 partial sums: a reduction the compiler vectorizes
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float f = static_cast<float>(r[i + j]);
+      lanes[j] += f * f;
+    }
+  }
+  for (; i < dim; ++i) {
+    const float f = static_cast<float>(r[i]);
+    lanes[0] += f * f;
+  }
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  return sum;
+}
+
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                       double eps) {
+                       double eps, bool offset) {
   const int64_t rows = x.size(0), dim = x.size(1);
   T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
@@ -67,24 +105,52 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
       }
       float sum = 0.f;
       for (int j = 0; j < 16; ++j) sum += lanes[j];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-      for (int64_t i = 0; i < dim; ++i) {
-        T normed = static_cast<T>(static_cast<float>(rr[i]) * inv);
-        xr[i] = static_cast<T>(static_cast<float>(wp[i]) * static_cast<float>(normed));
-      }
+      scale_row(rr, xr, wp, dim, sum, eps, offset);
     }
   });
 }
 
-// residual += x; x = weight * rms_norm(residual). x [T, D] and residual [T, D], row-major.
+// out = norm(x) row by row, x [R, D] with contiguous rows (any row stride), out contiguous.
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, at::Tensor& out, const at::Tensor& weight, double eps,
+                   bool offset) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      scale_row(xr, op + r * dim, wp, dim, sum_of_squares(xr, dim), eps, offset);
+    }
+  });
+}
+
+// residual += x; x = rms_norm(residual) scaled by weight (offset: by 1 + weight). x [T, D]
+// and residual [T, D], row-major.
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
-                        double eps) {
+                        double eps, bool offset) {
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual: [T, D]");
   TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1 && weight.is_contiguous(),
               "rows must be contiguous");
   with_float_type(x.scalar_type(), "fused_add_rms_norm", [&](auto t) {
-    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps);
+    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, offset);
   });
+}
+
+// rms_norm(x) scaled by weight (offset: by 1 + weight) into a new [R, D] tensor; x [R, D]
+// with contiguous rows. Norms without a residual: after attention or the MLP (Gemma), and
+// per head on q and k (Qwen3, Gemma 3) through a [T * H, D] view.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "rms_norm: x [R, D] with contiguous rows, weight [D]");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  with_float_type(x.scalar_type(), "rms_norm", [&](auto t) {
+    rms_norm_impl<decltype(t)>(x, out, weight, eps, offset);
+  });
+  return out;
 }
 
 template <typename T>
@@ -196,6 +262,40 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+template <typename T>
+void gelu_tanh_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = out.size(0), dim = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  at::parallel_for(0, rows, grain_rows(2 * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * xs;
+      const T* up = gate + dim;
+      T* y = op + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float inner = kBeta * (g + kKappa * g * g * g);
+        // rounded as F.gelu(approximate="tanh")'s output, then times up
+        const T act = static_cast<T>(0.5f * g * (1.f + std::tanh(inner)));
+        y[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// gelu_tanh(gate) * up of a merged [T, 2 * d] projection -> [T, d] (GeGLU, Gemma).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "x: [T, 2 * d]");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  with_float_type(x.scalar_type(), "gelu_tanh_and_mul", [&](auto t) {
+    gelu_tanh_and_mul_impl<decltype(t)>(x, out);
+  });
+  return out;
+}
+
 // ---- matrix-vector products for a few rows (decode) ----------------------------------------
 // y[M, N] = x[M, K] W[N, K]^T (+ bias) for M <= kGemvMaxRows, float32 or bfloat16 with float32
 // sums. At one row a linear layer only streams its weight, and does so at a fraction of the
@@ -270,19 +370,24 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   return y;
 }
 
-// ---- the decoder layers of a Llama-family model in one call --------------------------------
+// ---- the decoder layers of a model in one call ---------------------------------------------
 // At decode a layer's own work is a few small products; the Python around them (a dozen
 // module calls, views and checks per layer) then costs as much as the products. This op runs
 // the layers' sequence of kernels from C++: the same kernels, in the same order, on the same
-// tensors as the Python path (models/llama.py), so its results are identical to it.
+// tensors as the layers' modules (models/llama.py, their forward_cpu), so its results are
+// identical to theirs.
 //
-// Per layer, `tensors` holds kTensorsPerLayer entries: the two norm weights, the rotary
-// tables, the layer's key and value cache, then four linear layers (qkv, o, gate_up, down)
-// as (weight, rowsum, scale, bias): rowsum undefined is a float weight (at::linear), else the
-// packed int8 weight of pagedllm_int8::int8_linear. `ints` holds kIntsPerLayer entries (heads,
-// KV heads, head size, window, attention tiles, the four linears' activation levels) and
-// `floats` kFloatsPerLayer (the two norms' eps, the attention scale).
-constexpr int64_t kTensorsPerLayer = 22, kIntsPerLayer = 10, kFloatsPerLayer = 3;
+// Each layer is described by its declaration (layers/decoder_spec.py, packed by
+// worker/cpu_decoder.py). Per layer, `tensors` holds kTensorsPerLayer entries: the norm
+// weights (input, after attention, before the MLP, after the MLP, q per head, k per head; an
+// absent norm is undefined), the rotary tables, the layer's key and value cache, then four
+// linear layers (qkv, o, gate_up, down) as (weight, rowsum, scale, bias): rowsum undefined is
+// a float weight (at::linear), else the packed int8 weight of pagedllm_int8::int8_linear.
+// `ints` holds kIntsPerLayer entries (heads, KV heads, head size, window, attention tiles
+// block_m and block_n, the four linears' activation levels, the activation: 0 SiLU, 1 GELU
+// tanh, and the norm kind: 0 weight * x, 1 (1 + weight) * x) and `floats` kFloatsPerLayer
+// (the norms' eps, the attention scale).
+constexpr int64_t kTensorsPerLayer = 26, kIntsPerLayer = 12, kFloatsPerLayer = 2;
 
 using Int8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
@@ -339,10 +444,18 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   return bias.defined() ? y + bias : y;
 }
 
-void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                  bool offset) {
   with_float_type(x.scalar_type(), "decoder_layers", [&](auto t) {
-    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps);
+    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, offset);
   });
+}
+
+// Per-head norm of q or k [T, H, D] (a strided view of the qkv projection): through a
+// contiguous [T * H, D] copy, as the Python layer does it.
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  const at::Tensor rows = x.reshape({-1, x.size(2)});
+  return rms_norm(rows, weight, eps, offset).view({x.size(0), x.size(1), x.size(2)});
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
@@ -368,36 +481,50 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     residual = at::zeros_like(hidden);
     hidden = hidden.clone();
   }
-  at::Tensor in_w, post_w, cos, sin, key_cache, value_cache;
+  at::Tensor in_w, post_attn_w, pre_mlp_w, post_mlp_w, q_w, k_w, cos, sin, key_cache,
+      value_cache;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t t0 = l * kTensorsPerLayer;
     const int64_t* in = ints.data() + l * kIntsPerLayer;
     const double* fl = floats.data() + l * kFloatsPerLayer;
     const int64_t heads = in[0], kv_heads = in[1], dim = in[2];
+    const bool gelu = in[10] == 1, offset = in[11] == 1;
+    const double eps = fl[0];
     entry(tensors, t0, in_w);
-    entry(tensors, t0 + 1, post_w);
-    entry(tensors, t0 + 2, cos);
-    entry(tensors, t0 + 3, sin);
-    entry(tensors, t0 + 4, key_cache);
-    entry(tensors, t0 + 5, value_cache);
-    // attention stage: norm, qkv, rotary, cache write, paged attention, o
-    add_rms_norm(hidden, residual, in_w, fl[0]);
-    const at::Tensor qkv = linear(hidden, tensors, t0 + 6, in[6]);
+    entry(tensors, t0 + 1, post_attn_w);
+    entry(tensors, t0 + 2, pre_mlp_w);
+    entry(tensors, t0 + 3, post_mlp_w);
+    entry(tensors, t0 + 4, q_w);
+    entry(tensors, t0 + 5, k_w);
+    entry(tensors, t0 + 6, cos);
+    entry(tensors, t0 + 7, sin);
+    entry(tensors, t0 + 8, key_cache);
+    entry(tensors, t0 + 9, value_cache);
+    // attention stage: norm, qkv, q/k norms, rotary, cache write, paged attention, o, norm
+    add_rms_norm(hidden, residual, in_w, eps, offset);
+    const at::Tensor qkv = linear(hidden, tensors, t0 + 10, in[6]);
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+    if (q_w.defined()) {
+      q = head_norm(q, q_w, eps, offset);
+      k = head_norm(k, k_w, eps, offset);
+    }
     auto [q_rot, k_rot] = rotary_neox(positions, q, k, cos, sin);
     key_cache.view({-1, kv_heads, dim}).index_copy_(0, slot_mapping, k_rot);
     value_cache.view({-1, kv_heads, dim}).index_copy_(0, slot_mapping, v);
     const at::Tensor attn = at::empty_like(q_rot);
     attention_op().call(q_rot, key_cache, value_cache, attn, cu_seqlens_q, seq_lens_k,
-                        c10::nullopt, block_table, c10::nullopt, fl[2], in[3], 0, in[4], in[5]);
-    hidden = linear(attn.view({tokens, q_size}), tensors, t0 + 10, in[7]);
-    // MLP stage: norm, gate_up, silu * up, down
-    add_rms_norm(hidden, residual, post_w, fl[1]);
-    const at::Tensor gate_up = linear(hidden, tensors, t0 + 14, in[8]);
-    hidden = linear(silu_and_mul(gate_up), tensors, t0 + 18, in[9]);
+                        c10::nullopt, block_table, c10::nullopt, fl[1], in[3], 0, in[4], in[5]);
+    hidden = linear(attn.view({tokens, q_size}), tensors, t0 + 14, in[7]);
+    if (post_attn_w.defined()) hidden = rms_norm(hidden, post_attn_w, eps, offset);
+    // MLP stage: norm, gate_up, activation * up, down, norm
+    add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
+    const at::Tensor gate_up = linear(hidden, tensors, t0 + 18, in[8]);
+    const at::Tensor act = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+    hidden = linear(act, tensors, t0 + 22, in[9]);
+    if (post_mlp_w.defined()) hidden = rms_norm(hidden, post_mlp_w, eps, offset);
   }
   return {hidden, residual};
 }
@@ -405,7 +532,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_fused, m) {
-  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, "
+        "bool offset) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary_neox(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> "
         "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -419,6 +549,8 @@ TORCH_LIBRARY_IMPL(pagedllm_fused, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_neox", &rotary_neox);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("decoder_layers", &decoder_layers);
   m.impl("gemv", &gemv);
 }

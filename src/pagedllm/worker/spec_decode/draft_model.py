@@ -22,11 +22,19 @@ from pagedllm.attention.metadata import AttentionMetadata, ForwardContext
 from pagedllm.config import ModelConfig, load_hf_config
 from pagedllm.core.sequence import Sequence
 from pagedllm.models.loader import load_model
+from pagedllm.worker.cpu_decoder import CpuFusedDecoder, run_fused
 from pagedllm.worker.sampler import apply_top_k_top_p_min_p
 
 
 class DraftModelProposer:
-    def __init__(self, path: str, k: int, target: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        path: str,
+        k: int,
+        target: ModelConfig,
+        device: torch.device,
+        cpu_fused_ops: bool = True,
+    ) -> None:
         config = dataclasses.replace(
             target,
             model=path,
@@ -35,7 +43,8 @@ class DraftModelProposer:
             layer_range=None,
             quant_config=None,
         )
-        self.model = load_model(config, device)
+        self.model = load_model(config, device, cpu_fused_ops=cpu_fused_ops)
+        self.fast_path: CpuFusedDecoder | None = None  # set by the runner (rebuild_fast_path)
         self.k = k
         self.device = device
         self.block_size = 0
@@ -61,7 +70,7 @@ class DraftModelProposer:
     ) -> None:
         """The draft over the step's batch: K/V at every position the target computed."""
         with ForwardContext(md):
-            self.model(input_ids, positions)
+            self._forward(input_ids, positions, md)
 
     @torch.inference_mode()
     def propose(
@@ -116,8 +125,15 @@ class DraftModelProposer:
         )
         ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=dev)
         with ForwardContext(md):
-            hidden = self.model(ids, torch.from_numpy(pos.astype(np.int64)).to(dev))
+            hidden = self._forward(ids, torch.from_numpy(pos.astype(np.int64)).to(dev), md)
         return self.model.compute_logits(hidden).float()
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.fast_path is not None:
+            return run_fused(self.model, self.fast_path, input_ids, positions, md)
+        return self.model(input_ids, positions)
 
     def _sample(
         self,

@@ -42,6 +42,7 @@ class Speculator:
         target: ModelConfig,
         device: torch.device,
         generator_for: Callable[[Sequence], torch.Generator],
+        cpu_fused_ops: bool = True,
     ) -> None:
         self.config = config
         self.generator_for = generator_for
@@ -52,7 +53,7 @@ class Speculator:
             self.ngram = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
         else:
             assert config.model is not None
-            self.draft = DraftModelProposer(config.model, k, target, device)
+            self.draft = DraftModelProposer(config.model, k, target, device, cpu_fused_ops)
         self.gate = AdaptiveGate()
         self.rejection_sampler = RejectionSampler(device, generator_for)
 

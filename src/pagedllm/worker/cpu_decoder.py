@@ -1,0 +1,177 @@
+"""The fused CPU decoder: every decoder layer of a step in one C++ call.
+
+At decode a layer's own work is a few small products; the Python around them (a dozen module
+calls, views and checks per layer) then costs as much as the products. The runner builds a
+:class:`CpuFusedDecoder` from the loaded (and quantized) model once its KV cache is bound, and
+rebuilds it when weights, kernels or caches change (ModelRunner.rebuild_fast_path). It reads
+each layer's declaration (layers/decoder_spec.py) and modules, and csrc/fused_ops.cpp runs the
+same kernels in the same order as the modules' ``forward_cpu``, so results are identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers import cpu_fused
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.models.loader import PassThroughLayer
+
+_ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
+
+
+@dataclass
+class DecoderOperands:
+    """The flat operand lists of the C++ op, layer after layer (the layout is
+    csrc/fused_ops.cpp's: per layer 26 tensors, 12 ints and 2 floats)."""
+
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    ints: list[int] = field(default_factory=list)
+    floats: list[float] = field(default_factory=list)
+
+
+def _norm_weight(norm: RMSNorm | None, spec_eps: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """A norm's weight; None for an absent norm. Raises _Unfusable for one the op cannot run."""
+    if norm is None:
+        return None
+    if norm.impl != "cpu" or norm.weight.dtype != dtype or norm.eps != spec_eps:
+        raise _Unfusable(f"a norm that is not the C++ one in {dtype} (eps {spec_eps})")
+    return norm.weight
+
+
+class _Unfusable(Exception):
+    """A layer the fused decoder cannot run (the runner then runs the modules)."""
+
+
+def _linear(lin: nn.Module) -> tuple[list[torch.Tensor | None], int]:
+    operands = lin.fused_operands() if isinstance(lin, LinearBase) else None
+    if operands is None:
+        raise _Unfusable(f"{type(lin).__name__}: no fused form of its product")
+    return operands
+
+
+def _attention(attn: Attention, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]]:
+    if attn.backend is None:
+        raise _Unfusable("attention without a KV cache")
+    tiles = attn.backend.cpu_kernel_tiles(dtype, attn.num_heads, attn.key_cache)
+    if tiles is None:
+        raise _Unfusable(f"attention backend {attn.backend.name!r} is not the C++ kernel")
+    ints = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window_left, *tiles]
+    return [attn.key_cache, attn.value_cache], ints
+
+
+def _add_layer(operands: DecoderOperands, layer: nn.Module, dtype: torch.dtype) -> None:
+    """Append one layer as its declaration says; raises _Unfusable (nothing appended)."""
+    spec = getattr(layer, "spec", None)
+    if spec is None:
+        raise _Unfusable(f"{type(layer).__name__} declares no DecoderLayerSpec")
+    attn_mod, mlp = layer.self_attn, layer.mlp
+    attn = attn_mod.attn
+    if attn.scale != spec.scale or attn.window_left != spec.window_left:
+        raise _Unfusable("attention differs from the layer's declaration")
+    rotary = attn_mod.rotary_emb
+    if rotary.impl != "cpu" or rotary.cos.dtype != dtype or mlp.act_fn.impl != "cpu":
+        raise _Unfusable("rotary or activation is not the C++ op")
+    eps = spec.eps
+    norms = [
+        _norm_weight(layer.input_layernorm, eps, dtype),
+        _norm_weight(layer.post_attention_norm, eps, dtype),
+        _norm_weight(layer.pre_mlp_norm, eps, dtype),
+        _norm_weight(layer.post_mlp_norm, eps, dtype),
+        _norm_weight(attn_mod.q_norm, eps, dtype),
+        _norm_weight(attn_mod.k_norm, eps, dtype),
+    ]
+    if spec.qk_norm != (norms[4] is not None):
+        raise _Unfusable("q / k norms differ from the layer's declaration")
+    caches, attn_ints = _attention(attn, dtype)
+    linears = [_linear(m) for m in (attn_mod.qkv_proj, attn_mod.o_proj, mlp.gate_up_proj,
+                                    mlp.down_proj)]  # fmt: skip
+    operands.tensors += [*norms, rotary.cos, rotary.sin, *caches]
+    for tensors, _ in linears:
+        operands.tensors += tensors
+    operands.ints += attn_ints + [levels for _, levels in linears]
+    operands.ints += [_ACTIVATION_CODES[spec.activation], int(spec.norm_offset)]
+    operands.floats += [eps, spec.scale]
+
+
+class CpuFusedDecoder:
+    """The decoder layers of one model (one partition tier's), packed for the C++ op."""
+
+    def __init__(self, operands: DecoderOperands) -> None:
+        self.operands = operands
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList, dtype: torch.dtype) -> CpuFusedDecoder | None:
+        """From the layers as they are now; None (with the reason logged by the caller) when
+        a layer cannot run here. Another tier's pass-through layers are skipped."""
+        if dtype not in cpu_fused.DTYPES or not cpu_fused.load():
+            return None
+        operands = DecoderOperands()
+        for layer in layers:
+            if isinstance(layer, PassThroughLayer):
+                continue
+            try:
+                _add_layer(operands, layer, dtype)
+            except _Unfusable:
+                return None
+        return cls(operands) if operands.tensors else None
+
+    @staticmethod
+    def why_not(layers: nn.ModuleList, dtype: torch.dtype) -> str:
+        """Why :meth:`build` returned None (for the log)."""
+        if dtype not in cpu_fused.DTYPES:
+            return f"no C++ kernels for {dtype}"
+        if not cpu_fused.load():
+            return "the C++ fused ops are not built"
+        for layer in layers:
+            if isinstance(layer, PassThroughLayer):
+                continue
+            try:
+                _add_layer(DecoderOperands(), layer, dtype)
+            except _Unfusable as e:
+                return str(e)
+        return "no decoder layers in this tier"
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the last layer, as the layers' own forward would return
+        them (the final norm is the caller's); residual None: the first layer starts it."""
+        batch, ops = metadata.batch, self.operands
+        return torch.ops.pagedllm_fused.decoder_layers(
+            hidden,
+            residual,
+            positions.contiguous(),
+            ops.tensors,
+            ops.ints,
+            ops.floats,
+            metadata.slot_mapping,
+            batch.cu_seqlens_q.contiguous(),
+            batch.seq_lens_k.contiguous(),
+            metadata.block_table,
+        )
+
+
+def run_fused(
+    model: nn.Module,
+    decoder: CpuFusedDecoder,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    metadata: AttentionMetadata,
+    hidden_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's forward with its decoder layers in one call: embedding (or the previous
+    tier's hidden_states), the fused layers, the final norm. [num_tokens, hidden]."""
+    inner = model.model
+    hidden = inner.get_input_embeddings(input_ids) if hidden_states is None else hidden_states
+    hidden, residual = decoder(hidden, positions, metadata)
+    return inner.norm(hidden, residual)[0]
