@@ -149,3 +149,6 @@ def test_shared_window_left_reads_the_layer_rules():
     assert shared_window_left(_Config(sliding_window=16, layer_types=every)) == 15
     mixed = every + ["full_attention"]
     assert shared_window_left(_Config(sliding_window=16, layer_types=mixed)) is None
+    # global layers named by a pattern or by the family: they read every block
+    assert shared_window_left(_Config(sliding_window=16, sliding_window_pattern=6)) is None
+    assert shared_window_left(_Config(sliding_window=16, model_type="gemma3_text")) is None

@@ -261,14 +261,15 @@ class BlockManager:
         if self.null_block_id is None:
             return 0
         table = seq.block_table
-        released = 0
-        for i in range(min(self.first_live_block(seq.num_computed_tokens), len(table))):
-            if table[i] != self.null_block_id:
-                self._release(self.blocks[table[i]])
-                table[i] = self.null_block_id
-                released += 1
-        self.num_released_blocks += released
-        return released
+        # Entries before an earlier release are null already: walk back to the first one.
+        start = end = min(self.first_live_block(seq.num_computed_tokens), len(table))
+        while start > 0 and table[start - 1] != self.null_block_id:
+            start -= 1
+        for i in range(start, end):
+            self._release(self.blocks[table[i]])
+            table[i] = self.null_block_id
+        self.num_released_blocks += end - start
+        return end - start
 
     def _release(self, block: Block) -> None:
         block.ref_cnt -= 1

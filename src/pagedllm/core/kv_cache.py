@@ -23,6 +23,9 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
+_INTERLEAVED = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere2"})
+
+
 def shared_window_left(hf_config: Any) -> int | None:
     """The keys every attention layer looks back at most (flash-attn's window_size[0]), or
     None when some layer sees the whole sequence. The per-layer rule is the models' own:
@@ -34,6 +37,10 @@ def shared_window_left(hf_config: Any) -> int | None:
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
         return window - 1 if all(t == "sliding_attention" for t in layer_types) else None
+    # Interleaved families that name their global layers some other way: never release.
+    interleaved = getattr(hf_config, "model_type", None) in _INTERLEAVED
+    if interleaved or getattr(hf_config, "sliding_window_pattern", None) is not None:
+        return None
     if getattr(hf_config, "use_sliding_window", True) is False:
         return None
     return window - 1
