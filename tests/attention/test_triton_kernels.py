@@ -141,3 +141,16 @@ def test_engine_greedy_matches_hf_with_triton_backend(kernels, model_factory):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(model_dir, prompts, 4)
+
+
+def test_paged_window_never_reads_blocks_before_it(kernels):
+    """Entries before a sequence's window name a NaN block (the block manager's null block
+    for released blocks): the kernel's key range starts at the window, so it never loads it."""
+    from helpers.window_cases import WINDOW_LEFT, windowed_case
+
+    q, key, value, batch, want = windowed_case(float("nan"))
+    tuning = get_tuning("cpu", 16, 1, torch.float32, **TILES)
+    out, _ = kernels.varlen_attention(
+        q, key, value, batch, 16**-0.5, WINDOW_LEFT, 0, return_lse=True, tuning=tuning
+    )
+    torch.testing.assert_close(out.float(), want, atol=1e-4, rtol=1e-4)

@@ -12,6 +12,15 @@ prefix, the part least likely to be shared, is evicted first.
 
 With ``events`` set (a KVEventLog), every change of the hash index is recorded for a
 prefix-aware router: blocks cached, evicted, all forgotten.
+
+Sliding windows: when every attention layer looks back at most ``window_left`` keys
+(Mistral-style), a block wholly before the oldest key any future query of its sequence can
+see is released as soon as its sequence moves past it (``release_outside_window``). Its
+block-table entry then names the reserved null block (block 0, never allocated, never
+written), which the attention kernels never read for such positions, or read only under
+the window's mask. A released block keeps its hash in the free queue like any freed block,
+and a prefix hit needs only the cached blocks the window reaches (``find_cached_blocks``),
+so a prompt whose oldest blocks were evicted still hits its recent ones.
 """
 
 from __future__ import annotations
@@ -78,14 +87,30 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Owns the KV blocks: allocation, ref counts, prefix-cache lookups and eviction."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}.")
-        self.num_blocks = num_blocks
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        window_left: int | None = None,
+    ) -> None:
+        """window_left: keys every layer's queries look back at most (flash-attn's
+        window_size[0]), or None when some layer sees the whole sequence; with it set,
+        block 0 is the null block and blocks outside the window are released."""
+        if window_left is not None and window_left < 0:
+            raise ValueError(f"window_left must be >= 0 or None, got {window_left}.")
+        reserved = 1 if window_left is not None else 0
+        if num_blocks - reserved <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks - reserved}.")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window_left = window_left
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # The null block: entries of released blocks point here; it is never handed out.
+        self.null_block_id: int | None = 0 if reserved else None
+        self.num_blocks = num_blocks - reserved  # blocks a sequence can get
+        self.free_queue = FreeBlockQueue(self.blocks[reserved:])
+        self.num_released_blocks = 0  # cumulative: blocks released for leaving the window
         self.hash_to_block: dict[int, Block] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which found in the cache
@@ -104,6 +129,24 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of up to num_tokens computed tokens holds at once,
+        when a step computes at most max_step_tokens: all of them without a window; with one,
+        the blocks of a step's keys (its tokens and the window before them), plus one for a
+        window that starts inside a block."""
+        full = self.blocks_needed(num_tokens)
+        if self.window_left is None:
+            return full
+        return min(full, self.blocks_needed(self.window_left + max_step_tokens) + 1)
+
+    def first_live_block(self, num_computed_tokens: int) -> int:
+        """Index of the first block a sequence still needs once num_computed_tokens are
+        computed: the next query (at position num_computed_tokens) sees keys from
+        num_computed_tokens - window_left on, and so does every later one."""
+        if self.window_left is None:
+            return 0
+        return max(0, num_computed_tokens - self.window_left) // self.block_size
+
     # ---- prefix cache --------------------------------------------------------------------
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extend seq.block_hashes over every full block of its tokens."""
@@ -114,19 +157,42 @@ class BlockManager:
             hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
     def find_cached_blocks(self, seq: Sequence) -> list[Block]:
-        """The longest chain of cached blocks that prefixes seq, leaving >= 1 token to compute."""
+        """The longest cached prefix of seq, leaving >= 1 token to compute, as the blocks to
+        put in its block table. Without a window every block of the prefix must be cached;
+        with one only those the window reaches from the prefix's end, and the entries before
+        them are the null block."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(seq)
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # the last token must be computed for logits
-        hits: list[Block] = []
+        found: list[Block | None] = []
         for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
             block = self.hash_to_block.get(block_hash)
             if block is None or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
-                break
-            hits.append(block)
-        return hits
+                if self.window_left is None:
+                    break
+                block = None  # a window may not need it: keep looking
+            found.append(block)
+        if self.window_left is None:
+            return [b for b in found if b is not None]
+        return self._window_hit(found)
+
+    def _window_hit(self, found: list[Block | None]) -> list[Block]:
+        """The longest hit of num_hit blocks whose live blocks (those the window reaches from
+        token num_hit * block_size on) are all cached; the null block before them. A chain
+        hash names the whole prefix, so a cached block vouches for the tokens before it."""
+        assert self.null_block_id is not None
+        run = 0  # cached blocks ending at index i
+        best = 0
+        for i, block in enumerate(found):
+            run = run + 1 if block is not None else 0
+            num_hit = i + 1
+            if num_hit - self.first_live_block(num_hit * self.block_size) <= run:
+                best = num_hit
+        first = self.first_live_block(best * self.block_size)
+        null = self.blocks[self.null_block_id]
+        return [null] * first + [b for b in found[first:best] if b is not None]
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         self.prefix_cache_queries += num_queried
@@ -141,7 +207,7 @@ class BlockManager:
         stored: list[int] = []  # indexes of the blocks cached by this call, for events
         for i in range(num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.block_id == self.null_block_id:
                 continue
             block_hash = seq.block_hashes[i]
             if block_hash in self.hash_to_block:
@@ -159,7 +225,7 @@ class BlockManager:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         new = max(0, needed - len(seq.block_table) - len(cached))
         # Cached blocks that are free now stop counting as free once they are taken.
-        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+        reclaimed = sum(1 for b in cached if b.ref_cnt == 0 and b.block_id != self.null_block_id)
         return new + reclaimed <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[Block] = ()) -> bool:
@@ -170,7 +236,8 @@ class BlockManager:
         if not self.can_allocate(seq, num_new_tokens, cached):
             return False
         for block in cached:
-            self._touch(block)
+            if block.block_id != self.null_block_id:
+                self._touch(block)
             seq.block_table.append(block.block_id)
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < needed:
@@ -182,12 +249,33 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first, so tails are evicted before shared heads."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+            if block_id != self.null_block_id:
+                self._release(self.blocks[block_id])
         seq.block_table = []
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Release seq's blocks that lie wholly before the oldest key any of its future
+        queries sees, oldest first (they are the first to be evicted; a later prefix hit
+        needs only the recent ones). Their entries become the null block, so block indexes
+        still follow positions. Returns how many were released."""
+        if self.null_block_id is None:
+            return 0
+        table = seq.block_table
+        # Entries before an earlier release are null already: walk back to the first one.
+        start = end = min(self.first_live_block(seq.num_computed_tokens), len(table))
+        while start > 0 and table[start - 1] != self.null_block_id:
+            start -= 1
+        for i in range(start, end):
+            self._release(self.blocks[table[i]])
+            table[i] = self.null_block_id
+        self.num_released_blocks += end - start
+        return end - start
+
+    def _release(self, block: Block) -> None:
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+        if block.ref_cnt == 0:
+            self.free_queue.append(block)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free seq's blocks past the first num_tokens tokens, tail first: the slots of
@@ -235,16 +323,37 @@ class BlockManager:
         assert len({b.block_id for b in free}) == len(free), "block twice in the free queue"
         for block in self.blocks:
             in_queue = block.prev is not None
+            if block.block_id == self.null_block_id:
+                assert not in_queue and block.ref_cnt == 0, "the null block was handed out"
+                assert block.block_hash is None, "the null block is cached"
+                continue
             assert in_queue == (block.ref_cnt == 0), f"block {block.block_id} free-state mismatch"
         for block_hash, block in self.hash_to_block.items():
             assert block.block_hash == block_hash, "hash index points at a re-used block"
         if live is not None:
-            refs = [0] * self.num_blocks
+            refs = [0] * len(self.blocks)
             for seq in live:
+                self._check_window(seq)
                 for block_id in seq.block_table:
                     refs[block_id] += 1
             for block in self.blocks:
+                if block.block_id == self.null_block_id:
+                    continue
                 assert refs[block.block_id] == block.ref_cnt, (
                     f"block {block.block_id}: ref_cnt {block.ref_cnt}, referenced "
                     f"{refs[block.block_id]} times"
                 )
+
+    def _check_window(self, seq: Sequence) -> None:
+        """With a window: entries before the first live block are the null block (released,
+        none kept), and no entry from it on is (attention reads those)."""
+        if self.null_block_id is None:
+            return
+        first = self.first_live_block(seq.num_computed_tokens)
+        for i, block_id in enumerate(seq.block_table):
+            is_null = block_id == self.null_block_id
+            assert is_null == (i < first), (
+                f"sequence {seq.seq_id}: block-table entry {i} is "
+                f"{'the null block' if is_null else f'block {block_id}'}, but the window's "
+                f"first live block is {first} ({seq.num_computed_tokens} tokens computed)"
+            )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -20,3 +21,26 @@ class KVCacheSpec:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+_INTERLEAVED = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere2"})
+
+
+def shared_window_left(hf_config: Any) -> int | None:
+    """The keys every attention layer looks back at most (flash-attn's window_size[0]), or
+    None when some layer sees the whole sequence. The per-layer rule is the models' own:
+    ``layer_types`` when the config has them, else ``sliding_window`` on every layer unless
+    ``use_sliding_window`` is false."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window - 1 if all(t == "sliding_attention" for t in layer_types) else None
+    # Interleaved families that name their global layers some other way: never release.
+    interleaved = getattr(hf_config, "model_type", None) in _INTERLEAVED
+    if interleaved or getattr(hf_config, "sliding_window_pattern", None) is not None:
+        return None
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return window - 1

@@ -80,8 +80,12 @@ class Scheduler:
         longest = self.config.max_model_len
         if max_tokens is not None:
             longest = min(longest, seq.num_tokens + max_tokens)
-        # The last token is sampled but never computed, so it takes no KV slot.
-        if bm.blocks_needed(longest - 1) > bm.num_blocks:
+        # The last token is sampled but never computed, so it takes no KV slot. With a
+        # sliding window a sequence holds only the blocks its window and one step reach.
+        step = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill:  # the prompt at once, then a token a step
+            step = max(seq.num_tokens, 1 + self.config.num_lookahead_slots)
+        if bm.max_blocks_held(longest - 1, step) > bm.num_blocks:
             raise ValueError(
                 f"a request of {seq.num_tokens} prompt tokens that may grow to {longest} tokens "
                 f"can never fit the KV cache ({capacity} token slots); lower max_tokens, "
@@ -283,6 +287,7 @@ class Scheduler:
             if tokens is None:  # a chunk of a prompt: nothing sampled yet
                 seq.num_computed_tokens += item.num_new_tokens
                 bm.cache_full_blocks(seq)
+                bm.release_outside_window(seq)
                 continue
             status = seq.append_tokens(tokens, self.config.max_model_len)
             # Every token but the newest now has its KV: the accepted drafts were computed at
@@ -291,6 +296,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_tokens - 1
             bm.trim(seq, seq.num_tokens)
             bm.cache_full_blocks(seq)
+            bm.release_outside_window(seq)
             seq.spec_token_ids = proposals.get(seq.seq_id, [])
             updated.append(seq)
             if status is not None:

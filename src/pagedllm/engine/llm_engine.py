@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_cache import shared_window_left
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import SequenceStatus
@@ -34,6 +35,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["MAX_N", "LLMEngine", "PromptType"]
 
 
+def _releasable_window(config: EngineConfig) -> int | None:
+    """The sliding window past which the block manager releases blocks: the model's, when
+    all its layers have one, and no draft model shares the block tables (its own layers may
+    read the whole sequence)."""
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model":
+        return None
+    return shared_window_left(config.model.hf_config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False) -> None:
         start = time.perf_counter()
@@ -45,7 +56,10 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, object, IterationStats]] = deque()
         self.kv_cache = self.executor.initialize_cache()  # the one record of the cache's layout
         self.block_manager = BlockManager(
-            self.kv_cache.num_blocks, self.kv_cache.block_size, config.cache.enable_prefix_caching
+            self.kv_cache.num_blocks,
+            self.kv_cache.block_size,
+            config.cache.enable_prefix_caching,
+            window_left=_releasable_window(config),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.stat_loggers: list[StatLogger] = []
