@@ -38,6 +38,7 @@ def test_three_tier_chain_matches_hf(model_factory, tmp_path):
             )
             assert llm.llm_engine.executor.runner.model_config.layer_range == (0, 1)
             outs = llm.generate(prompts, greedy, use_tqdm=False)
+            assert llm.llm_engine.scheduler.num_prefill_chunks > 0
             assert gateway.seqs  # the gateway mirrored the sequences it ran layers 1-2 for
             llm.llm_engine.shutdown()
     finally:
