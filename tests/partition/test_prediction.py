@@ -111,4 +111,3 @@ def test_the_link_adds_its_delay_once_and_the_recorded_compute_the_rest(recorded
     roofline = predict(model, None, cut)
     assert roofline == predict(model, None, cut)
     assert roofline.decode_latency_ms != pytest.approx(near.decode_latency_ms)
-
