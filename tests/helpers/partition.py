@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import queue
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from helpers.ci import unavailable as ci_unavailable
+from helpers.process import Output
 from pagedllm.config import EngineArgs
 from pagedllm.partition import DeviceProfile, GraphPartitioner, LinkProfile, netem
 from pagedllm.partition.graph import graph_for_model
@@ -78,34 +75,15 @@ def launch_worker(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _forward_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    """Every line of the worker's output into the queue, then None at its end; it keeps
-    reading after the worker is ready, so that a chatty worker never blocks on a full pipe."""
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
 def ready(proc: subprocess.Popen, timeout: float = 120.0) -> Worker:
     """The worker once it prints its address; RuntimeError with its output if it exits or
     says nothing of the kind within timeout seconds (a silent worker does not hang here)."""
-    assert proc.stdout is not None
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_forward_lines, args=(proc.stdout, lines), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    seen: list[str] = []
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        if "listening on" in line:
-            return Worker(line.rsplit(" ", 1)[1].strip(), proc)
-    proc.kill()
-    raise RuntimeError("cloud worker did not start:\n" + "".join(seen))
+    try:
+        line = Output(proc).until(lambda line: "listening on" in line, timeout)
+    except AssertionError as e:
+        proc.kill()
+        raise RuntimeError(f"cloud worker did not start: {e}") from None
+    return Worker(line.rsplit(" ", 1)[1].strip(), proc)
 
 
 @contextlib.contextmanager
