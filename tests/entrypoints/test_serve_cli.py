@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.process import Output
+from helpers.process import Output, read_banner, server_url, wait_healthy
 
 
 def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
@@ -37,8 +37,8 @@ def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
     )
     try:
         output = Output(proc)
-        banner = read_until(output, "metrics", timeout=120)
-        url = re.search(r"URL\s+(http://\S+)/v1", banner).group(1)
+        banner = read_banner(output, "metrics", timeout=120)
+        url = server_url(banner)
         assert re.search(r"model\s+tiny", banner)
         assert re.search(r"dtype\s+float32", banner) and re.search(r"device\s+cpu", banner)
         blocks = int(re.search(r"KV cache\s+(\d+) blocks x 16 tokens = (\d+) tokens", banner)[1])
@@ -60,26 +60,6 @@ def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
     rest = output.rest()
     assert proc.returncode == 0, rest
     assert "Traceback" not in rest, rest
-
-
-def read_until(output: Output, marker: str, timeout: float) -> str:
-    """The output up to and including the first line containing marker after the URL."""
-    output.until(lambda line: "URL" in line, timeout)
-    output.until(lambda line: marker in line, timeout)
-    return "".join(output.lines)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server never became healthy")
 
 
 def test_nothing_listens_until_the_engine_is_ready(tiny_llama, monkeypatch) -> None:

@@ -5,10 +5,13 @@ chatty process never blocks on a full pipe."""
 from __future__ import annotations
 
 import queue
+import re
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+
+import httpx
 
 
 class Output:
@@ -56,3 +59,33 @@ class Output:
                 break
             self.lines.append(line)
         return "".join(self.lines[start:])
+
+
+SERVER_URL = r"URL\s+(http://\S+)/v1"  # the serve command's startup block: its address
+
+
+def read_banner(output: Output, marker: str, timeout: float) -> str:
+    """The serve command's output up to the first line containing marker after its URL."""
+    output.until(lambda line: re.search(SERVER_URL, line) is not None, timeout)
+    output.until(lambda line: marker in line, timeout)
+    return "".join(output.lines)
+
+
+def server_url(banner: str) -> str:
+    match = re.search(SERVER_URL, banner)
+    assert match is not None, banner
+    return match.group(1)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Poll /health until it answers 200; AssertionError if the server exits or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became healthy")
