@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.ci import unavailable
 
 from pagedllm.layers import cpu_fused
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from tests.helpers.ci import unavailable
 
 DTYPES = [torch.float32, torch.bfloat16]
 
