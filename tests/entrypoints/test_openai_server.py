@@ -373,7 +373,7 @@ def test_bad_requests_get_400_and_leave_others_alone(server) -> None:
 
 def test_overload_answers_503(server) -> None:
     engine = server.engine
-    engine.max_waiting_requests = 1
+    previous, engine.max_waiting_requests = engine.max_waiting_requests, 1
     gate = threading.Event()
     engine.submit(lambda e: gate.wait(30))  # holds the engine thread so requests queue up
     results: list[httpx.Response] = []
@@ -394,7 +394,7 @@ def test_overload_answers_503(server) -> None:
         gate.set()
         for w in workers:
             w.join(timeout=60)
-        engine.max_waiting_requests = 4096
+        engine.max_waiting_requests = previous  # the module's server serves on
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 503, 503], [r.text for r in results]
     error = next(r for r in results if r.status_code == 503).json()["error"]
