@@ -4,7 +4,6 @@ what it measures with hysteresis."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 from helpers.partition import emulated_link, inprocess_cloud, make_plan
@@ -24,7 +23,6 @@ from pagedllm.partition.graph import GraphNode, ModelGraph, graph_for_model
 from pagedllm.partition.netem import DelayProxy
 from pagedllm.partition.profiles import DecodePoint
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20)
 L = 8
@@ -111,39 +109,36 @@ def test_the_running_split_measures_the_emulated_delay_as_it_changes(model_facto
 
 
 # ---- the cut moves while the split runs ------------------------------------------------------
-def _emulate_devices(monkeypatch, edge_ms: float, cloud_ms: float) -> list:
-    """Both tiers run in this process; each runner's forward also takes edge_ms or
-    cloud_ms per decoder layer it holds, as a slower edge and a faster cloud would, and the
-    split's monitor is told those emulated compute times (not this machine's clock), so that
-    the machine's load cannot move the cut: only the link's delay, which the monitor still
-    measures (round trip minus the cloud's compute), decides. Returns a list to append the
-    engine's executor to (the monitor needs its current cut)."""
-    real = ModelRunner.forward
+class EmulatedFigures:
+    """What the split's monitor records per step, emulated: an edge of edge_ms and a cloud
+    of cloud_ms per decoder layer they hold, and a link of the delay the proxy is set to.
+    The run itself is real (both tiers, the proxy delaying the RPCs, the cut moving); only
+    the figures the re-planner reads are the emulation's, so that this machine's load, which
+    would stretch every measured time, cannot move the cut. That the monitor measures a real
+    link's delay: test_the_running_split_measures_the_emulated_delay_as_it_changes."""
 
-    def forward(self, inp, hidden_states=None):
-        out = real(self, inp, hidden_states)
-        start, end = self.model_config.layer_range
-        time.sleep((edge_ms if start == 0 else cloud_ms) * (end - start) / 1e3)
-        return out
+    def __init__(self, monkeypatch, edge_ms: float, cloud_ms: float, rtt_ms: float) -> None:
+        self.edge_ms, self.cloud_ms, self.rtt_ms = edge_ms, cloud_ms, rtt_ms
+        self.executor = None  # set once the engine is made: the figures follow its cut
+        real_sent = LinkMonitor.sent
+        figures = self
 
-    executors: list = []
+        def sent(monitor: LinkMonitor, edge_s: float, nbytes: int) -> None:
+            real_sent(monitor, figures.edge_ms * figures.cut / 1e3, nbytes)
 
-    def cut() -> int:
-        return executors[0].tier.cut
+        def received(monitor: LinkMonitor, remote_ms: float, nbytes: int) -> None:
+            if monitor._sent:
+                _, edge_s, sent_bytes = monitor._sent.popleft()
+                cloud = figures.cloud_ms * (L - figures.cut)
+                row = (edge_s * 1e3, cloud, figures.rtt_ms, sent_bytes + nbytes)
+                monitor._rows.append(row)
 
-    real_sent, real_received = LinkMonitor.sent, LinkMonitor.received
+        monkeypatch.setattr(LinkMonitor, "sent", sent)
+        monkeypatch.setattr(LinkMonitor, "received", received)
 
-    def sent(self, edge_s: float, nbytes: int) -> None:
-        real_sent(self, edge_ms * cut() / 1e3, nbytes)
-
-    def received(self, remote_ms: float, nbytes: int) -> None:
-        # the cloud's forward slept at least this long: the link's figure stays >= its RTT
-        real_received(self, cloud_ms * (L - cut()), nbytes)
-
-    monkeypatch.setattr(ModelRunner, "forward", forward)
-    monkeypatch.setattr(LinkMonitor, "sent", sent)
-    monkeypatch.setattr(LinkMonitor, "received", received)
-    return executors
+    @property
+    def cut(self) -> int:
+        return self.executor.tier.cut
 
 
 def _measured(name: str, ms_per_layer: float, layers: int) -> LayerTimings:
@@ -180,7 +175,7 @@ def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, t
     unsplit = LLM(str(model), **ENGINE).generate(prompts, params, use_tqdm=False)
     expected = {str(i): o.outputs[0].token_ids for i, o in enumerate(unsplit)}
 
-    executors = _emulate_devices(monkeypatch, edge_ms=3.0, cloud_ms=1.0)
+    figures = EmulatedFigures(monkeypatch, edge_ms=3.0, cloud_ms=1.0, rtt_ms=1.0)
     got: dict[str, list[int]] = {}
     with inprocess_cloud(model, tmp_path / "plan.json") as (cloud, server):
         with DelayProxy(server.address, rtt_ms=1.0) as proxy:
@@ -193,7 +188,7 @@ def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, t
             )
             engine = LLMEngine.from_engine_args(args)
             executor = engine.executor
-            executors.append(executor)
+            figures.executor = executor
             queue = iter(enumerate(prompts))
 
             def run(steps: int, until_moves: int | None = None) -> None:
@@ -210,6 +205,7 @@ def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, t
             run(48)  # six re-plans at 1 ms: the cut stays
             assert executor.moves == [] and executor.replanner.moves == 0
             proxy.set(rtt_ms=20.0)
+            figures.rtt_ms = 20.0
             run(80, until_moves=1)
             assert executor.moves == [(2, 1)]
             assert executor.tier.layers == (0, 1) and cloud.tier.layers == (1, 8)
@@ -218,6 +214,7 @@ def test_the_cut_moves_when_the_emulated_delay_changes_and_back(model_factory, t
             run(32)  # measured at the new cut, still 20 ms: it stays
             assert executor.moves == [(2, 1)]
             proxy.set(rtt_ms=1.0)
+            figures.rtt_ms = 1.0
             run(80, until_moves=2)
             assert executor.moves == [(2, 1), (1, 2)]
             assert cloud.tier.layers == (2, 8)
