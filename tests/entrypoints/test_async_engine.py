@@ -195,3 +195,23 @@ def test_engine_error_fails_running_requests_then_recovers(engine, monkeypatch, 
     assert idle_state(engine) == (False, 0.0)
     assert not engine.errored
     assert asyncio.run(final_text(engine, "The quick", "after", max_tokens=5))
+
+
+def test_a_reader_behind_the_engine_loses_no_text(engine) -> None:
+    """Outputs are cumulative: a reader that reads only once the request has finished gets
+    one output, the final one, holding all of the text (the stream keeps the newest output
+    and so drops no text, however far behind its reader is)."""
+
+    async def main() -> list:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        stream = await engine.add_request("late", "The quick", params)
+        deadline = time.monotonic() + 60
+        while engine.submit(lambda e: e.has_unfinished_requests()).result(timeout=30):
+            assert time.monotonic() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
+        return [out async for out in stream.outputs()]
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].finished
+    assert len(outs[0].outputs[0].token_ids) == 12
+    assert outs[0].outputs[0].text == asyncio.run(final_text(engine, "The quick", "alone"))
