@@ -13,12 +13,6 @@ from pagedllm.core.sequence import Sequence
 
 
 def test_engine_core_does_not_import_torch():
-    for name in (
-        "pagedllm.core.block_manager",
-        "pagedllm.core.scheduler",
-        "pagedllm.core.sequence",
-    ):
-        assert name in sys.modules
     import subprocess
 
     code = (

@@ -221,7 +221,7 @@ def test_draft_model_greedy_identical(model_factory, arch: str) -> None:
         o.outputs[0].token_ids
         for o in make_llm(model_dir, None, **REGIMES).generate(prompts, params, use_tqdm=False)
     ]
-    for draft, all_accepted, rounds in ((model_dir, True, 2), (small, False, 1)):
+    for draft, all_accepted, rounds in ((model_dir, True, 2), (small, False, 2)):
         llm = make_llm(model_dir, {"model": str(draft), "num_speculative_tokens": 3}, **regimes)
         counter = SpecCounter()
         llm.llm_engine.add_stat_logger(counter)
@@ -231,6 +231,7 @@ def test_draft_model_greedy_identical(model_factory, arch: str) -> None:
             llm.llm_engine.check_integrity()
         engine = llm.llm_engine
         assert engine.block_manager.prefix_cache_hits >= (rounds - 1) * len(prompts) * 24
+        assert engine.scheduler.num_prefill_chunks > 0
         assert engine.scheduler.num_preemptions > 0
         assert counter.draft_tokens > 0
         assert (counter.accepted == counter.draft_tokens) == all_accepted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from helpers.engine import on_call, patch_execute_model
@@ -66,11 +67,27 @@ async def final_text(engine: AsyncLLMEngine, prompt: str, rid: str, max_tokens: 
 PROMPTS = [f"The quick brown fox {i}" for i in range(6)] + ["A list is", "Dictionaries map"]
 
 
+async def queued(engine: AsyncLLMEngine, n: int, timeout: float = 30.0) -> None:
+    """Wait until n commands wait for the engine thread (held by the test), then go on."""
+    deadline = time.monotonic() + timeout
+    while engine._commands.qsize() < n:
+        assert time.monotonic() < deadline, f"{engine._commands.qsize()} of {n} queued"
+        await asyncio.sleep(0.01)
+
+
 def test_concurrent_requests_share_a_batch_and_match_one_by_one(engine) -> None:
+    # The engine thread waits until every add is queued: all of them join the first step,
+    # however the tasks happen to be scheduled.
+    gate = threading.Event()
+    engine.submit(lambda e: gate.wait(60))
+
     async def main() -> tuple[list[str], list[str]]:
-        together = await asyncio.gather(
-            *(final_text(engine, p, f"c{i}") for i, p in enumerate(PROMPTS))
-        )
+        tasks = [
+            asyncio.ensure_future(final_text(engine, p, f"c{i}")) for i, p in enumerate(PROMPTS)
+        ]
+        await queued(engine, len(PROMPTS))
+        gate.set()
+        together = await asyncio.gather(*tasks)
         alone = [await final_text(engine, p, f"s{i}") for i, p in enumerate(PROMPTS)]
         return together, alone
 
@@ -144,7 +161,7 @@ def test_waiting_queue_is_bounded(engine) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=4)
         adds = [engine.add_request(f"q{i}", "The quick", params) for i in range(3)]
         tasks = [asyncio.ensure_future(a) for a in adds]
-        await asyncio.sleep(0.05)  # let every add reach the command queue
+        await queued(engine, len(adds))  # every add waits in the command queue
         gate.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
@@ -178,3 +195,23 @@ def test_engine_error_fails_running_requests_then_recovers(engine, monkeypatch, 
     assert idle_state(engine) == (False, 0.0)
     assert not engine.errored
     assert asyncio.run(final_text(engine, "The quick", "after", max_tokens=5))
+
+
+def test_a_reader_behind_the_engine_loses_no_text(engine) -> None:
+    """Outputs are cumulative: a reader that reads only once the request has finished gets
+    one output, the final one, holding all of the text (the stream keeps the newest output
+    and so drops no text, however far behind its reader is)."""
+
+    async def main() -> list:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        stream = await engine.add_request("late", "The quick", params)
+        deadline = time.monotonic() + 60
+        while engine.submit(lambda e: e.has_unfinished_requests()).result(timeout=30):
+            assert time.monotonic() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
+        return [out async for out in stream.outputs()]
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].finished
+    assert len(outs[0].outputs[0].token_ids) == 12
+    assert outs[0].outputs[0].text == asyncio.run(final_text(engine, "The quick", "alone"))

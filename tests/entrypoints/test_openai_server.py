@@ -46,16 +46,14 @@ class Server:
         )
         return value or 0.0
 
-    def wait_idle(self, timeout: float = 10.0) -> float:
-        """Seconds until the engine holds no request; then integrity and zero KV usage hold."""
-        start = time.monotonic()
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until the engine holds no request; then integrity and zero KV usage hold."""
+        deadline = time.monotonic() + timeout
         while self.on_engine(lambda e: e.has_unfinished_requests()):
-            assert time.monotonic() - start < timeout, "requests still running"
+            assert time.monotonic() < deadline, "requests still running"
             time.sleep(0.02)
-        waited = time.monotonic() - start
         self.on_engine(lambda e: e.check_integrity())
         assert self.on_engine(lambda e: e.block_manager.usage) == 0.0
-        return waited
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +107,11 @@ def test_streamed_completion_concatenates_to_the_plain_one(server) -> None:
         )
     )
     text_chunks = [c for c in chunks if c.choices]
-    assert len(text_chunks) > 1
+    # How many chunks there are is not fixed: a request's outputs are cumulative, and when
+    # the reader is behind the engine the stream hands it the newest, whose delta holds all
+    # the text since the last chunk (no text is lost, as the join below shows). That a
+    # stream delivers text while the request still runs: test_streaming_client_disconnect_*.
+    assert text_chunks and all(c.choices[0].text for c in text_chunks)
     assert "".join(c.choices[0].text for c in text_chunks) == plain.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
@@ -234,7 +236,8 @@ def test_concurrent_http_requests_share_the_batch(server) -> None:
         def record(self, scheduler_stats, iteration_stats) -> None:  # noqa: ANN001
             peak["running"] = max(peak["running"], scheduler_stats.num_running)
 
-    server.on_engine(lambda e: e.add_stat_logger(Peak()))
+    peak_logger = Peak()
+    server.on_engine(lambda e: e.add_stat_logger(peak_logger))
 
     async def one(client: httpx.AsyncClient, prompt: str) -> str:
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -246,7 +249,27 @@ def test_concurrent_http_requests_share_the_batch(server) -> None:
         async with httpx.AsyncClient() as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
-    together = asyncio.run(main())
+    # The engine thread waits until every request is queued: they all join the first step,
+    # however the clients' requests are spread out in time.
+    gate, queued = threading.Event(), []
+    server.engine.submit(lambda e: gate.wait(60))
+
+    def open_gate() -> None:
+        deadline = time.monotonic() + 30
+        while server.engine._commands.qsize() < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        queued.append(server.engine._commands.qsize())
+        gate.set()
+
+    opener = threading.Thread(target=open_gate)
+    opener.start()
+    try:
+        together = asyncio.run(main())
+    finally:
+        gate.set()
+        opener.join()
+        server.on_engine(lambda e: e.stat_loggers.remove(peak_logger))
+    assert queued == [len(prompts)]
     alone = [
         server.client()
         .completions.create(
@@ -257,7 +280,7 @@ def test_concurrent_http_requests_share_the_batch(server) -> None:
         for p in prompts
     ]
     assert together == alone
-    assert peak["running"] >= 4  # many requests decoded in the same steps
+    assert peak["running"] == len(prompts)  # all of them decoded in the same steps
     server.wait_idle()
 
 
@@ -350,7 +373,7 @@ def test_bad_requests_get_400_and_leave_others_alone(server) -> None:
 
 def test_overload_answers_503(server) -> None:
     engine = server.engine
-    engine.max_waiting_requests = 1
+    previous, engine.max_waiting_requests = engine.max_waiting_requests, 1
     gate = threading.Event()
     engine.submit(lambda e: gate.wait(30))  # holds the engine thread so requests queue up
     results: list[httpx.Response] = []
@@ -366,11 +389,12 @@ def test_overload_answers_503(server) -> None:
         deadline = time.monotonic() + 10
         while engine._commands.qsize() < 3 and time.monotonic() < deadline:
             time.sleep(0.01)  # until all three adds wait behind the gate
+        assert engine._commands.qsize() == 3  # the precondition of what follows
     finally:
         gate.set()
         for w in workers:
             w.join(timeout=60)
-        engine.max_waiting_requests = 4096
+        engine.max_waiting_requests = previous  # the module's server serves on
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 503, 503], [r.text for r in results]
     error = next(r for r in results if r.status_code == 503).json()["error"]
@@ -399,8 +423,9 @@ def test_streaming_client_disconnect_aborts(server, slow_model) -> None:
             events = sse_events(line for line, _ in zip(lines, range(4)))
             assert len(events) >= 2
             assert server.on_engine(lambda e: e.has_unfinished_requests())
-    # Closing the response drops the connection; the server aborts well before 200 tokens.
-    assert server.wait_idle(timeout=3.0) < 3.0
+    # Closing the response drops the connection; the server aborts the request: counted as
+    # an abort, not as a request that ran to its 200 tokens.
+    server.wait_idle(timeout=60.0)
     assert server.successes("length") == finished_before
     assert server.successes("abort") == aborted_before + 1  # vLLM's finished_reason="abort"
 
@@ -410,7 +435,7 @@ def test_non_streaming_client_disconnect_aborts(server, slow_model) -> None:
     aborted_before = server.successes("abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.5))
-    assert server.wait_idle(timeout=3.0) < 3.0
+    server.wait_idle(timeout=60.0)
     assert server.successes("length") == finished_before
     assert server.successes("abort") == aborted_before + 1
 

@@ -9,6 +9,7 @@ by the check in schemathesis_hooks.py, which /openapi.json documents as a 400 co
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,11 +17,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.ci import unavailable
 
 from pagedllm import EngineArgs
 from pagedllm.entrypoints.openai.server import build_app, serve_in_thread
 
-pytest.importorskip("schemathesis")
+
+@pytest.fixture(autouse=True)
+def _schemathesis_installed() -> None:
+    if importlib.util.find_spec("schemathesis") is None:
+        unavailable("schemathesis is not installed (pip install -e '.[dev]')")
+
 
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 

@@ -12,7 +12,7 @@ import sys
 
 import httpx
 import openai
-from test_serve_cli import read_until, wait_healthy
+from helpers.process import Output, read_banner, server_url, wait_healthy
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
@@ -40,7 +40,7 @@ def serve(model: str, spec: dict) -> subprocess.Popen:
 def test_serve_with_ngram_speculation(tiny_llama) -> None:
     proc = serve(str(tiny_llama), SPEC)
     try:
-        url = re.search(r"URL\s+(http://\S+)/v1", read_until(proc, "metrics", 300)).group(1)
+        url = server_url(read_banner(Output(proc), "metrics", 300))
         wait_healthy(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         prompt = "The quick brown fox. The quick brown fox. The quick brown"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from helpers.ci import unavailable as ci_unavailable
+from helpers.process import Output
 from pagedllm.config import EngineArgs
 from pagedllm.partition import DeviceProfile, GraphPartitioner, LinkProfile, netem
 from pagedllm.partition.graph import graph_for_model
@@ -76,18 +76,14 @@ def launch_worker(
 
 
 def ready(proc: subprocess.Popen, timeout: float = 120.0) -> Worker:
-    deadline = time.time() + timeout
-    lines = []
-    assert proc.stdout is not None
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "listening on" in line:
-            return Worker(line.rsplit(" ", 1)[1].strip(), proc)
-    proc.kill()
-    raise RuntimeError("cloud worker did not start:\n" + "".join(lines))
+    """The worker once it prints its address; RuntimeError with its output if it exits or
+    says nothing of the kind within timeout seconds (a silent worker does not hang here)."""
+    try:
+        line = Output(proc).until(lambda line: "listening on" in line, timeout)
+    except AssertionError as e:
+        proc.kill()
+        raise RuntimeError(f"cloud worker did not start: {e}") from None
+    return Worker(line.rsplit(" ", 1)[1].strip(), proc)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.ci import unavailable
 
 from pagedllm.layers import cpu_fused
 from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
@@ -13,7 +14,6 @@ from pagedllm.layers.custom_op import OpTarget, build_target
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.norm import PlainRMSNorm, RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from tests.helpers.ci import unavailable
 
 DTYPES = [torch.float32, torch.bfloat16]
 

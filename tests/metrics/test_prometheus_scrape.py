@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import socket
@@ -22,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers.ci import unavailable
 
 from pagedllm import EngineArgs
 from pagedllm.entrypoints.openai.server import build_app, serve_in_thread
@@ -34,10 +34,7 @@ MODEL = "tiny"
 def prometheus_binary() -> str:
     path = shutil.which("prometheus")
     if path is None:
-        reason = "the prometheus binary is missing (apt-get install prometheus)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        unavailable("the prometheus binary is missing (apt-get install prometheus)")
     return path
 
 
@@ -117,33 +114,68 @@ def instant(prometheus_url: str, expr: str) -> list[float]:
     return [float(item["value"][1]) for item in query(prometheus_url, expr)]
 
 
-def run_traffic(url: str, seconds: float) -> int:
-    """Completions, chat and streams from 4 threads, with a shared prefix for cache hits."""
+def last_scrape(prometheus_url: str) -> float:
+    """When Prometheus last scraped the server (its sample time), 0 before the first."""
+    return max(instant(prometheus_url, 'timestamp(up{job="pagedllm"})'), default=0.0)
+
+
+def wait_scrapes(prometheus_url: str, n: int, timeout: float = 60.0) -> None:
+    """Wait until Prometheus has scraped the server n more times."""
+    deadline = time.monotonic() + timeout
+    seen, count = last_scrape(prometheus_url), 0
+    while count < n:
+        assert time.monotonic() < deadline, f"{count} of {n} scrapes in {timeout:.0f} s"
+        time.sleep(0.1)
+        latest = last_scrape(prometheus_url)
+        count, seen = count + (latest > seen), max(seen, latest)
+
+
+def run_traffic(url: str, prometheus_url: str, min_requests: int) -> int:
+    """Completions, chat and streams from 4 threads, with a shared prefix for cache hits,
+    until at least min_requests are done and Prometheus has scraped twice meanwhile (so
+    that every rate() has samples inside the traffic). Returns the requests done; a
+    worker's failure is raised here, not lost in its thread."""
     shared = "The quick brown fox jumps over the lazy dog. A list is a mutable sequence. "
-    stop_at = time.monotonic() + seconds
-    done = []
+    stop = threading.Event()
+    done: list[int] = []
+    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            i = 0
-            while time.monotonic() < stop_at:
-                i += 1
-                body = {"prompt": shared + f"{k} {i}", "max_tokens": 8 + i % 8, "temperature": 0}
-                if i % 3 == 0:
-                    body |= {"stream": True, "stop": ["e"]}
-                if i % 4 == 0:
-                    chat = {"messages": [{"role": "user", "content": shared}], "max_tokens": 6}
-                    r = client.post("/v1/chat/completions", json=chat)
-                else:
-                    r = client.post("/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                done.append(1)
+        try:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    body = {"prompt": shared + f"{k} {i}", "max_tokens": 8 + i % 8}
+                    body["temperature"] = 0
+                    if i % 3 == 0:
+                        body |= {"stream": True, "stop": ["e"]}
+                    if i % 4 == 0:
+                        chat = {"messages": [{"role": "user", "content": shared}], "max_tokens": 6}
+                        r = client.post("/v1/chat/completions", json=chat)
+                    else:
+                        r = client.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    done.append(1)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            stop.set()
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        wait_scrapes(prometheus_url, 2)
+        deadline = time.monotonic() + 120
+        while len(done) < min_requests and not errors:
+            assert time.monotonic() < deadline, f"{len(done)} of {min_requests} requests"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
     return len(done)
 
 
@@ -163,8 +195,8 @@ def substitute(expr: str) -> str:
 
 
 def test_every_dashboard_query_returns_data(server_url, prometheus) -> None:
-    assert run_traffic(server_url, seconds=4.0) > 10
-    time.sleep(2.5)  # two more scrapes after the last request
+    run_traffic(server_url, prometheus, min_requests=12)  # raises unless they all succeed
+    wait_scrapes(prometheus, 2)  # two more scrapes after the last request
     queries = panel_queries()
     assert len(queries) >= 20
     titles = {title for title, _ in queries}
@@ -190,7 +222,7 @@ def test_dashboard_variables_resolve(server_url, prometheus) -> None:
 def test_deploy_prometheus_config_is_valid() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is missing (it ships with Debian's prometheus package)")
+        unavailable("promtool is missing (it ships with Debian's prometheus package)")
     config = DEPLOY / "prometheus" / "prometheus.yml"
     result = subprocess.run([promtool, "check", "config", str(config)], capture_output=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from helpers.oracle import hf_greedy
@@ -37,6 +38,7 @@ def test_three_tier_chain_matches_hf(model_factory, tmp_path):
             )
             assert llm.llm_engine.executor.runner.model_config.layer_range == (0, 1)
             outs = llm.generate(prompts, greedy, use_tqdm=False)
+            assert llm.llm_engine.scheduler.num_prefill_chunks > 0
             assert gateway.seqs  # the gateway mirrored the sequences it ran layers 1-2 for
             llm.llm_engine.shutdown()
     finally:
@@ -59,10 +61,13 @@ def test_a_tier_in_between_needs_the_next_address(model_factory, tmp_path):
         CloudWorker(bad.create_engine_config())
 
 
-def test_a_pipelined_chain_overlaps_at_the_tier_in_between(model_factory, tmp_path):
+def test_a_pipelined_chain_overlaps_at_the_tier_in_between(model_factory, tmp_path, monkeypatch):
     """Depth 2 through edge -> gateway -> cloud: the gateway hands a step on and takes the
     next one before the cloud's reply is back (two steps in flight past it), and the
-    outputs still equal HF's."""
+    outputs still equal HF's. The cloud holds its first replies until a second step is in
+    flight at the gateway (or 10 s pass): whether the overlap happens is then decided by
+    the gateway's design, not by how fast this machine's threads ran; a gateway that waits
+    for each reply before taking the next step never gets there and fails the test."""
     model = model_factory("llama", num_hidden_layers=4)
     plan = make_plan(model, [1, 3], tmp_path / "plan.json")
     rng = random.Random(7)
@@ -73,6 +78,15 @@ def test_a_pipelined_chain_overlaps_at_the_tier_in_between(model_factory, tmp_pa
             gateway,
             server,
         ):
+            forward = cloud.runner.forward
+
+            def held_forward(*args, **kwargs):
+                deadline = time.monotonic() + 10
+                while gateway.max_in_flight < 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                return forward(*args, **kwargs)
+
+            monkeypatch.setattr(cloud.runner, "forward", held_forward)
             llm = LLM(
                 str(model),
                 partition_config={

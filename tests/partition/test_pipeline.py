@@ -30,6 +30,7 @@ def test_pipelined_split_matches_hf_with_two_micro_batches_in_flight(model_facto
             **ENGINE,
         )
         outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_prefill_chunks > 0
         executor = llm.llm_engine.executor
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.block_manager.usage == 0.0

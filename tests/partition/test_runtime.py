@@ -80,6 +80,7 @@ def test_split_matches_unsplit_and_hf(deep_llama, reference, cut_workers, cut):
         str(deep_llama), partition_config={"plan": str(plan), "address": worker.address}, **engine
     )
     assert generate(split_llm, prompts, GREEDY) == unsplit == hf
+    assert split_llm.llm_engine.scheduler.num_prefill_chunks > 0  # prompts ran in chunks
     # Again: the shared prefix now comes from the prefix cache on both tiers.
     hits = split_llm.llm_engine.block_manager.prefix_cache_hits
     assert generate(split_llm, prompts, GREEDY) == hf

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -24,6 +23,7 @@ from helpers.generation import GREEDY, greedy_params
 
 from pagedllm import SamplingParams
 from pagedllm.core.sequence import Sequence, SequenceStatus
+from pagedllm.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagedllm.engine.llm_engine import LLMEngine
 
 TIGHT = dict(
@@ -150,10 +150,29 @@ def test_disconnect_frees_everything(server, slow_steps, state: str, stream: boo
             with contextlib.suppress(asyncio.CancelledError):
                 await call
 
-    asyncio.run(asyncio.wait_for(request_then_leave(), timeout=30))
-    started = time.monotonic()
-    server.wait_idle(timeout=5.0)
-    assert time.monotonic() - started < 4.0  # aborted, not run to its 150 tokens (> 7 s)
+    finished = FinishedRecorder()
+    server.on_engine(lambda e: e.add_stat_logger(finished))
+    try:
+        asyncio.run(asyncio.wait_for(request_then_leave(), timeout=30))
+        server.wait_idle(timeout=60.0)
+        # an abort is counted with the engine's next step: one more request brings it
+        httpx.post(server.url + "/v1/completions", json={"prompt": [7], "max_tokens": 1})
+        server.wait_idle(timeout=60.0)
+    finally:
+        server.on_engine(lambda e: e.stat_loggers.remove(finished))
+    left = [r for r in finished.requests if r.num_prompt_tokens == len(prompt)]
+    assert [r.finish_reason for r in left] == ["abort"], finished.requests
+    assert left[0].num_generation_tokens < LONG["max_tokens"]  # ended, not run to its length
+
+
+class FinishedRecorder:
+    """A stat logger that keeps the statistics of every request the engine finished."""
+
+    def __init__(self) -> None:
+        self.requests: list[FinishedRequestStats] = []
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.requests.extend(iteration_stats.finished_requests)
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -56,8 +56,9 @@ def test_model_step_exception_fails_only_that_step(one_at_a_time, monkeypatch) -
                 threading.Thread(target=lambda n=name, b=body: results.update({n: post(server, b)}))
             )
             workers[-1].start()
-            deadline = time.monotonic() + 10
-            while server.engine._commands.qsize() < len(workers) and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30
+            while server.engine._commands.qsize() < len(workers):
+                assert time.monotonic() < deadline, "the add never reached the engine's queue"
                 time.sleep(0.01)  # added in this order: the poisoned one runs first, alone
     finally:
         gate.set()

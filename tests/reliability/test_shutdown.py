@@ -18,10 +18,13 @@ import pytest
 from helpers.engine import MODEL
 from helpers.fault_server import POISON
 from helpers.generation import GREEDY
+from helpers.process import Output
 from helpers.sse import sse_events
 
 SECRET = "zebra-secret-prompt-7781"  # must never reach the log
 HELPERS = Path(__file__).parents[1] / "helpers"
+URL = r"URL\s+(http://\S+)/v1"  # the startup block's line with the server's address
+OUTPUTS: dict[int, Output] = {}  # the output of each server this module started, by pid
 
 
 def start_server(model: Path, step_delay: float) -> tuple[subprocess.Popen, str]:
@@ -43,21 +46,21 @@ def start_server(model: Path, step_delay: float) -> tuple[subprocess.Popen, str]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    lines: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line, "the server exited during startup:\n" + "".join(lines)
-        lines.append(line)
-        match = re.search(r"URL\s+(http://\S+)/v1", line)
-        if match:
-            url = match.group(1)
-            break
-    else:
-        raise AssertionError("no startup block:\n" + "".join(lines))
-    while httpx.get(url + "/health", timeout=5).status_code != 200:  # uvicorn may lag the banner
+    OUTPUTS[proc.pid] = output = Output(proc)
+    line = output.until(lambda line: re.search(URL, line) is not None, timeout=120)
+    url = re.search(URL, line).group(1)
+    deadline = time.monotonic() + 60  # uvicorn may lag the banner
+    while not healthy(url):
+        assert time.monotonic() < deadline and proc.poll() is None, "never healthy"
         time.sleep(0.05)
     return proc, url
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -66,7 +69,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    return proc.returncode, proc.stdout.read()
+    return proc.returncode, OUTPUTS.pop(proc.pid).rest()
 
 
 @pytest.fixture()
@@ -107,15 +110,19 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama, cleanup) -> N
     for _ in range(3):
         assert started.acquire(timeout=60)
     proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while True:  # new connections are refused at once while the others drain
+    # New connections are refused while the others drain: an ordering of two events (the
+    # refusal came while a request was still running), however long each takes.
+    deadline = time.monotonic() + 120  # ends a hang only
+    while True:
+        draining = any(w.is_alive() for w in workers)
         try:
-            httpx.get(url + "/health", timeout=1)
+            httpx.get(url + "/health", timeout=5)
         except httpx.TransportError:
             break
+        assert draining, "the drain ended before new connections were refused"
         assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
         time.sleep(0.05)
-    assert any(w.is_alive() for w in workers)  # the drain had work left to do
+    assert draining  # the drain had work left to do when the refusal came
     for w in workers:
         w.join(timeout=60)
     code, log = finish(proc, timeout=30)

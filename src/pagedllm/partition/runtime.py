@@ -156,6 +156,7 @@ class SplitExecutor(Executor):
         self._link_back = threading.Event()  # set by the probe while running locally
         self.fallbacks = 0  # times the link was lost and every layer ran here
         self.returns = 0  # times the split resumed after that
+        self.probes = 0  # tries of the lost link's address that found nothing
 
     def _replanner(self) -> Replanner | None:
         if self.partition.replan_interval <= 0:
@@ -386,6 +387,7 @@ class SplitExecutor(Executor):
             if link_ready(self.partition.address, LINK_PROBE_S):
                 self._link_back.set()
                 return
+            self.probes += 1
 
     def _resume_split(self) -> None:
         """The worker answers again: a new session at the split's cut; until it is open,

@@ -95,7 +95,13 @@ class StructuredOutputManager:
         if self._backend is None:
             if self._tokenizer is None:
                 raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init).")
-            from pagedllm.structured_output.backend import XGrammarBackend
+            try:
+                from pagedllm.structured_output.backend import XGrammarBackend
+            except ModuleNotFoundError as e:  # xgrammar is installed apart (README)
+                raise RuntimeError(
+                    f"structured outputs need xgrammar ({e}): "
+                    "pip install --no-deps -c constraints.txt xgrammar"
+                ) from e
 
             self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop_token_ids)
         return self._backend
