@@ -149,10 +149,6 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def register_backend(name: str, target: str) -> None:
-    _REGISTRY[name] = target
-
-
 def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
