@@ -3,15 +3,9 @@ prompts tokenized as transformers' GGUF tokenizer does, the answer a real one.""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-
 import openai
 from helpers.real_model import smollm2_gguf
-from test_serve_cli import read_until, wait_healthy
+from helpers.serve import pagedllm_serve
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -20,17 +14,8 @@ def test_served_gguf_answers_chat_requests():
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(gguf)]
-    cmd += ["--port=0", "--served-model-name=smollm2", "--max-model-len=512"]
-    cmd += ["--kv-cache-memory-bytes=67108864", "--uvicorn-log-level=warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    try:
-        banner = read_until(proc, "metrics", timeout=180)
-        url = re.search(r"URL\s+(http://\S+)/v1", banner).group(1)
-        wait_healthy(url, proc)
+    flags = ["--served-model-name=smollm2", "--max-model-len=512"]
+    with pagedllm_serve(str(gguf), *flags, "--kv-cache-memory-bytes=67108864") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["smollm2"]
         reply = client.chat.completions.create(
@@ -45,11 +30,3 @@ def test_served_gguf_answers_chat_requests():
         )
         assert text.usage.prompt_tokens == len(theirs.encode("The capital of France is"))
         assert "Paris" in text.choices[0].text
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0

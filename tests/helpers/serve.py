@@ -5,40 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
-import httpx
-
-
-def _read_banner(proc: subprocess.Popen, timeout: float) -> str:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError("server exited early:\n" + "".join(lines))
-        lines.append(line)
-        if "metrics" in line and "URL" in "".join(lines):
-            return "".join(lines)
-    raise AssertionError("no startup block:\n" + "".join(lines))
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server never became healthy")
+from helpers.process import Output, read_banner, server_url, wait_healthy
 
 
 @contextlib.contextmanager
@@ -58,10 +30,10 @@ def pagedllm_serve(*args: str, timeout: float = 180) -> Iterator[str]:
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
+    output = Output(proc)
     try:
-        banner = _read_banner(proc, timeout)
-        url = re.search(r"URL\s+(http://\S+)/v1", banner).group(1)
-        _wait_healthy(url, proc)
+        url = server_url(read_banner(output, "metrics", timeout))
+        wait_healthy(url, proc)
         yield url
     finally:
         proc.send_signal(signal.SIGINT)
@@ -70,6 +42,6 @@ def pagedllm_serve(*args: str, timeout: float = 180) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    rest = proc.stdout.read()
+    rest = output.rest()
     assert proc.returncode == 0, rest
     assert "Traceback" not in rest, rest
