@@ -178,5 +178,9 @@ def load_model(config: ModelConfig, device: torch.device, comm: Communicator = S
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
     load_weights(model, iterate_weights(Path(config.model)))
     if quant is not None:
-        quant.finish_loading(model)
+        from pagedllm.layers.quantization import calibration_for_folder, describe
+
+        calibration = None if quant.prequantized else calibration_for_folder(config.tokenizer)
+        quant.finish_loading(model, calibration)
+        logger.info("quantization (%s): %s", quant.quant_dtype, describe(model))
     return model.eval()
