@@ -205,6 +205,7 @@ class EngineArgs:
     quant_granularity: str = "per_channel"
     quant_observer: str = "minmax"
     quant_activation: bool = True
+    quant_smoothing: bool = True  # int8: SmoothQuant folds from the calibration pass
     speculative_config: dict[str, Any] | str | None = None  # vLLM's dict (or its JSON text)
     generation_config: str = "auto"  # default sampling: "auto" (the model's), "pagedllm", a folder
 
@@ -370,6 +371,7 @@ class EngineArgs:
             granularity=self.quant_granularity,
             enable_activation=self.quant_activation,
             exclude_layers=tuple(self.quant_exclude or ()),
+            smoothquant_alpha=None if self.quant_smoothing else 0.0,
         )
 
     def _quant_config(self, hf_config: Any) -> QuantConfig | None:

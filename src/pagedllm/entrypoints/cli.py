@@ -43,7 +43,8 @@ _ENGINE_FLAG_HELP = {
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decode",
     "tensor_parallel_size": "number of tensor-parallel workers",
     "enforce_eager": "never capture CUDA graphs",
-    "quantization": "None | int8",
+    "quantization": "None | int8 (int8 x int8 products, down_proj int8 weight-only, LM head "
+    "and embedding kept) | int4 (weight-only, group scales; vLLM's rtn at 4 bits)",
     "device": "auto | cpu | cuda",
     "attention_backend": "torch | cpu | triton (default: chosen for the device)",
     "disable_comm_overlap": "do not overlap tensor-parallel all-reduce with compute",
@@ -65,6 +66,8 @@ _ENGINE_FLAG_HELP = {
     "quant_observer": "int8 activation scales: minmax (per token) | moving_average",
     "quant_activation": "int8: quantize activations too (int8 x int8 matmuls); "
     "--no-quant-activation: weight-only",
+    "quant_smoothing": "int8: migrate activation outliers into the weights (SmoothQuant) from a "
+    "calibration pass over pydoc text; --no-quant-smoothing: none (as saved checkpoints)",
     "speculative_config": "speculative decoding as JSON, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'',
 }
