@@ -31,7 +31,7 @@ class QuantConfig:
     weight_only_layers: tuple[str, ...] | None = None  # int8 weights, full-precision inputs
     smoothquant_alpha: float | None = None  # activation-outlier migration; 0 disables it
     quantize_embeddings: bool = False  # the LM head and token embedding too (vLLM keeps them)
-    group_size: int = 128  # int4: input features per scale (a multiple of 32)
+    group_size: int = 32  # int4: input features per scale and offset (a multiple of 32)
 
     def __post_init__(self) -> None:
         choices = {

@@ -142,7 +142,8 @@ def _qkv_scales(runner) -> torch.Tensor:  # noqa: ANN001 - runs on every rank vi
 def test_tensor_parallel_int8(trained_model):
     """TP=2: each rank quantizes its shard, so column-parallel scales are the TP=1 rows."""
     prompts = [_heldout_ids(trained_model, 40)[i : i + 20] for i in (0, 20)]
-    tp1 = LLM(str(trained_model), quantization="int8", **BASE)
+    # Under tensor parallelism int8 runs without SmoothQuant (shard-local weight ranges).
+    tp1 = LLM(str(trained_model), quantization="int8", quant_smoothing=False, **BASE)
     tp2 = LLM(str(trained_model), quantization="int8", tensor_parallel_size=2, **BASE)
     try:
         scales = tp1.llm_engine.executor.runner.model.model.layers[
@@ -202,4 +203,5 @@ def test_int4_runs_the_real_model_on_4_bit_linears(smollm2):
     # The linear layers' 106M weights in 4 bits + fp32 scale and offset per group; the tied
     # 28M-weight embedding stays fp32.
     assert weight_bytes(model) < 0.4 * 135e6 * 4
-    assert _capital_answer(llm).startswith("The capital of France is Paris")
+    # Group 32 is the grid of the Q4_1 file these fp32 weights were made from: exact here.
+    assert _capital_answer(llm) == "The capital of France is Paris."

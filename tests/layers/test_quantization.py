@@ -286,7 +286,9 @@ def test_default_int8_keeps_embeddings_and_down_proj_inputs_in_full_precision(mo
     assert len(done) == 8
     from pagedllm.layers.quantization import describe
 
-    assert describe(model) == ("6 int8 W8A8 (cpu_int8), 2 int8 weight-only; 2 in full precision")
+    assert describe(model) == (
+        "6 int8 W8A8 (cpu_int8), 2 int8 weight-only; full precision: model.embed_tokens, lm_head"
+    )
     after = _logits(model, ids)
     assert (after.argmax(-1) == before.argmax(-1)).float().mean() > 0.9
 
