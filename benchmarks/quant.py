@@ -182,10 +182,10 @@ def heldout_ids(model: Path) -> list[int]:
 
 def bench_accuracy(model: Path, dtype: str, window: int, max_tokens: int | None) -> str:
     from pagedllm.config import EngineArgs
-    from pagedllm.entrypoints.quantize_cli import evaluate, format_report
+    from pagedllm.entrypoints.quantize_cli import METHODS, evaluate, format_report
 
     args = EngineArgs(model=str(model), dtype=dtype, kv_cache_memory_bytes=256 << 20)
-    report = evaluate(args, heldout_ids(model), window, max_tokens)
+    report = evaluate(args, heldout_ids(model), window, max_tokens, METHODS)
     return f"model {model.name}, dtype {dtype}, windows of {window} tokens\n\n" + format_report(
         report
     )
