@@ -160,17 +160,22 @@ def _fold_into_v(qkv: nn.Module, s: torch.Tensor) -> tuple[bool, torch.Tensor]:
     return True, shared.repeat_interleave(heads // kv_heads, dim=0).reshape(-1)
 
 
-def _folds(layer: nn.Module) -> list[tuple[str, nn.Module, Callable[[torch.Tensor], bool]]]:
-    """(name suffix, linear, fold of 1/s into the op making its input) of a decoder layer."""
+def _folds(
+    layer: nn.Module,
+) -> list[tuple[str, nn.Module, Callable[[torch.Tensor], bool], str | None]]:
+    """(name suffix, linear, fold of 1/s into the op making its input, the linear layer that
+    fold changes or None for a norm) of a decoder layer."""
     attn, mlp = layer.self_attn, layer.mlp
     mlp_norm = getattr(layer, "pre_feedforward_layernorm", None)
     if mlp_norm is None:
         mlp_norm = getattr(layer, "post_attention_layernorm", None)
     return [
-        ("self_attn.qkv_proj", attn.qkv_proj, lambda s: _fold_into_norm(layer.input_layernorm, s)),
-        ("mlp.gate_up_proj", mlp.gate_up_proj, lambda s: _fold_into_norm(mlp_norm, s)),
-        ("mlp.down_proj", mlp.down_proj, lambda s: _fold_into_up(mlp.gate_up_proj, mlp.act_fn, s)),
-    ]
+        ("self_attn.qkv_proj", attn.qkv_proj,
+         lambda s: _fold_into_norm(layer.input_layernorm, s), None),
+        ("mlp.gate_up_proj", mlp.gate_up_proj, lambda s: _fold_into_norm(mlp_norm, s), None),
+        ("mlp.down_proj", mlp.down_proj,
+         lambda s: _fold_into_up(mlp.gate_up_proj, mlp.act_fn, s), "mlp.gate_up_proj"),
+    ]  # fmt: skip
 
 
 def smooth(
@@ -178,14 +183,24 @@ def smooth(
     ranges: dict[str, list[torch.Tensor]],
     alpha: float,
     names: set[str],
+    mutable: set[str] | None = None,
 ) -> list[str]:
     """Fold SmoothQuant scales into the decoder layers for the linear layers in names whose
-    ranges were collected; returns the layers smoothed. Ranges are rescaled in place so that
-    calibrated static scales computed from them afterwards see the smoothed inputs."""
+    ranges were collected; returns the layers smoothed. A fold into another linear layer
+    (down_proj's into gate_up, o_proj's into qkv) is made only where that layer is in mutable
+    (default: names): a layer kept in full precision is never touched. Ranges are rescaled in
+    place so that calibrated static scales computed from them afterwards see the smoothed
+    inputs."""
     done: list[str] = []
+    mutable = names if mutable is None else mutable
 
-    def wanted(name: str, linear: nn.Module) -> bool:
-        return name in names and bool(ranges.get(name)) and linear.weight.dtype.is_floating_point
+    def wanted(name: str, linear: nn.Module, source: str | None = None) -> bool:
+        return (
+            name in names
+            and bool(ranges.get(name))
+            and linear.weight.dtype.is_floating_point
+            and (source is None or source in mutable)
+        )
 
     def record(name: str, s: torch.Tensor) -> None:
         ranges[name] = [r / s for r in ranges[name]]
@@ -196,14 +211,14 @@ def smooth(
         if attn is None or mlp is None or not hasattr(attn, "qkv_proj"):
             continue
         base = f"{prefix}." if prefix else ""
-        for suffix, linear, fold in _folds(layer):
-            if wanted(base + suffix, linear):
+        for suffix, linear, fold, source in _folds(layer):
+            if wanted(base + suffix, linear, source and base + source):
                 s = _smoothing(torch.stack(ranges[base + suffix]).amax(0), linear.weight, alpha)
                 if fold(s):
                     _scale_columns(linear, s)
                     record(base + suffix, s)
         name = base + "self_attn.o_proj"
-        if wanted(name, attn.o_proj) and getattr(attn, "v_norm", None) is None:
+        if wanted(name, attn.o_proj, base + "self_attn.qkv_proj") and not hasattr(attn, "v_norm"):
             s = _smoothing(torch.stack(ranges[name]).amax(0), attn.o_proj.weight, alpha)
             folded, s = _fold_into_v(attn.qkv_proj, s)
             if folded:

@@ -577,10 +577,14 @@ class DynamicQuantConfig(QuantConfig):
 
         exclude_layers (module names or patterns, see _excluded) default to the config's.
         calibration: token windows (:func:`calibration_windows`) for SmoothQuant and the
-        moving_average observer's static scale; None: no smoothing, and a moving_average
-        observer keeps following the batches it sees.
+        moving_average observer's static scale; None: those of the model's tokenizer folder
+        when the loader recorded one (``calibration_folder``, so that quantizing an engine's
+        model equals quantizing at load), else no smoothing, and a moving_average observer
+        keeps following the batches it sees.
         """
         targets = self.targets(model, exclude_layers)
+        if calibration is None and getattr(model, "calibration_folder", None):
+            calibration = calibration_for_folder(model.calibration_folder)
         if self.quant_dtype == "int4":
             for name, module in targets.items():
                 self._pack_int4(name, module)
@@ -623,7 +627,7 @@ class DynamicQuantConfig(QuantConfig):
 
         ranges = calib.collect_ranges(model, active, calibration)
         if self.alpha > 0:
-            calib.smooth(model, ranges, self.alpha, set(active))
+            calib.smooth(model, ranges, self.alpha, set(active), set(targets))
         return ranges
 
     def prepare_checkpoint(self, model: nn.Module) -> None:

@@ -170,6 +170,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
 
 def load_model(config: ModelConfig, device: torch.device, comm: Communicator = SINGLE) -> nn.Module:
     model = build_model(config, device, comm)
+    model.calibration_folder = config.tokenizer  # the text of a later quantization pass
     quant = None
     if config.quant_config is not None:
         from pagedllm.layers.quantization import DynamicQuantConfig
@@ -178,9 +179,8 @@ def load_model(config: ModelConfig, device: torch.device, comm: Communicator = S
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
     load_weights(model, iterate_weights(Path(config.model)))
     if quant is not None:
-        from pagedllm.layers.quantization import calibration_for_folder, describe
+        from pagedllm.layers.quantization import describe
 
-        calibration = None if quant.prequantized else calibration_for_folder(config.tokenizer)
-        quant.finish_loading(model, calibration)
+        quant.finish_loading(model)  # calibrated on model.calibration_folder's tokenizer
         logger.info("quantization (%s): %s", quant.quant_dtype, describe(model))
     return model.eval()
