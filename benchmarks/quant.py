@@ -7,6 +7,7 @@ benchmark model, bf16), and accuracy on the demo model's held-out text.
     python benchmarks/quant.py accuracy           # perplexity / top-1 on held-out text
     python benchmarks/quant.py weight-only        # int8 / int4 weight-only GEMV and GEMM
     python benchmarks/quant.py sensitivity --model F  # int8 sensitivity of a model's layers
+    python benchmarks/quant.py decode --model F   # batch-1 decode tok/s per method
     python benchmarks/quant.py                    # kernels, engine and accuracy
 
 Every figure is a ratio against a baseline measured in the same run; engines are timed in
@@ -329,6 +330,43 @@ def bench_sensitivity(model_dir: Path, tokens: int, layers: bool) -> str:
     return "\n".join(lines)
 
 
+# ---- batch-1 decode per method ---------------------------------------------------------------
+def bench_decode(model_dir: Path, tokens: int = 64) -> str:
+    """Out tok/s of one 16-token prompt decoding ``tokens`` tokens (best of 3) per method:
+    fp32, the default int8, every linear W8A8 + SmoothQuant (the fused decoder's case), int4."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.quantization import DynamicQuantConfig
+
+    kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 26, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 116))}
+    lines = ["| setting | out tok/s |", "|---|---:|"]
+    for label, quantization in (
+        ("fp32", None), ("int8 (default)", "int8"), ("int8, every linear W8A8", "w8a8"),
+        ("int4", "int4"),
+    ):  # fmt: skip
+        llm = LLM(
+            str(model_dir), quantization=None if quantization == "w8a8" else quantization, **kw
+        )
+        if quantization == "w8a8":
+            DynamicQuantConfig(weight_only_layers=()).apply(
+                llm.llm_engine.executor.local_runner.model
+            )
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        best = min(
+            _timed(lambda llm=llm: llm.generate([prompt], params, use_tqdm=False)) for _ in range(3)
+        )
+        lines.append(f"| {label} | {tokens / best:.1f} |")
+        llm.llm_engine.shutdown()
+    return "\n".join(lines)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="*", default=["kernels", "engine", "accuracy"])
@@ -358,6 +396,10 @@ def main() -> None:
         print(bench_accuracy(ns.demo_model, ns.accuracy_dtype, ns.window, ns.max_tokens))
     if "weight-only" in ns.parts:
         print(bench_weight_only([1, 4, 8, 16]), "\n", flush=True)
+    if "decode" in ns.parts:
+        if ns.model is None:
+            parser.error("decode needs --model FOLDER")
+        print(bench_decode(ns.model), flush=True)
     if "sensitivity" in ns.parts:
         if ns.model is None:
             parser.error("sensitivity needs --model FOLDER (a transformers checkpoint)")
