@@ -17,8 +17,9 @@ is folded into the op that makes the input, so it costs nothing at run time:
 * o_proj <- the v rows of qkv_proj (attention mixes v rows linearly per head; heads sharing
   a KV head share one s)
 
-A fold is made only where the layer is built that way (plain RMSNorm, an *AndMul activation,
-a merged qkv); other layers keep their inputs as they are.
+A fold is made only where the layer is built that way (RMSNorm without Gemma's offset, an
+*AndMul activation, a merged qkv) and never into a layer kept in full precision; other layers
+keep their inputs as they are.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def _scale_columns(linear: LinearBase, s: torch.Tensor) -> None:
 
 
 def _fold_into_norm(norm: nn.Module, s: torch.Tensor) -> bool:
-    if type(norm) is not RMSNorm:
+    # Only Llama's weight * x_normed: an offset norm (Gemma's (1 + weight) * x_normed) is left.
+    if type(norm) is not RMSNorm or getattr(norm, "offset", False):
         return False
     norm.weight.data.div_(s.to(norm.weight.dtype))
     return True
