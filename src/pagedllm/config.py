@@ -25,16 +25,21 @@ QUANT_METHOD = "pagedllm_int8"  # quantization_config.quant_method of a saved in
 class QuantConfig:
     """int8 quantization (pagedllm.layers.quantization): what is quantized, and how."""
 
-    quant_dtype: str = "int8"
+    quant_dtype: str = "int8"  # "int4": weight-only int4 with group scales
     observer_type: str = "minmax"  # activation scales: "minmax" (per token) | "moving_average"
     granularity: str = "per_channel"  # weight scales: per output row | "per_tensor"
     enable_activation: bool = True  # int8 x int8 matmuls; False: weight-only int8
     exclude_layers: tuple[str, ...] = ()  # module names or fnmatch patterns kept as they are
     prequantized: bool = False  # the checkpoint already holds int8 weights and their scales
+    # Measured defaults (layers/quantization.py): None takes them.
+    weight_only_layers: tuple[str, ...] | None = None  # int8 weights, full-precision inputs
+    smoothquant_alpha: float | None = None  # activation-outlier migration; 0 disables it
+    quantize_embeddings: bool = False  # the LM head and token embedding too (vLLM keeps them)
+    group_size: int = 32  # int4: input features per scale and offset (a multiple of 32)
 
     def __post_init__(self) -> None:
         choices = {
-            "quant_dtype": ("int8",),
+            "quant_dtype": ("int8", "int4"),
             "observer_type": ("minmax", "moving_average"),
             "granularity": ("per_channel", "per_tensor"),
         }
@@ -306,7 +311,11 @@ class EngineArgs:
     )
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel workers")
     enforce_eager: bool = _arg(False, "never capture CUDA graphs (run every step eagerly)")
-    quantization: str | None = _arg(None, "None | int8")
+    quantization: str | None = _arg(
+        None,
+        "None | int8 (int8 x int8 products, down_proj int8 weight-only, LM head and embedding "
+        "kept) | int4 (weight-only, group scales; vLLM's rtn at 4 bits)",
+    )
     device: str = _arg("auto", "auto | cpu | cuda")
     attention_backend: str | None = _arg(
         None, "torch | cpu | triton (default: chosen for the device)"
@@ -361,6 +370,11 @@ class EngineArgs:
     quant_activation: bool = _arg(
         True,
         "int8: quantize activations too (int8 x int8 matmuls); --no-quant-activation: weight-only",
+    )
+    quant_smoothing: bool = _arg(
+        True,
+        "int8: migrate activation outliers into the weights (SmoothQuant) from a calibration "
+        "pass over pydoc text; --no-quant-smoothing: none (as saved checkpoints)",
     )
     speculative_config: dict[str, Any] | str | None = _arg(
         None,
@@ -500,8 +514,10 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}.")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(
+                f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}."
+            )
         self.requested_quant_config()  # validates the quant_* options
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
@@ -519,10 +535,12 @@ class EngineArgs:
 
     def requested_quant_config(self) -> QuantConfig:
         return QuantConfig(
+            quant_dtype=self.quantization or "int8",
             observer_type=self.quant_observer,
             granularity=self.quant_granularity,
             enable_activation=self.quant_activation,
             exclude_layers=tuple(self.quant_exclude or ()),
+            smoothquant_alpha=None if self.quant_smoothing else 0.0,
         )
 
     def _quant_config(self, hf_config: Any) -> QuantConfig | None:
@@ -532,8 +550,12 @@ class EngineArgs:
             return self.requested_quant_config() if self.quantization else None
         return dataclasses.replace(
             self.requested_quant_config(),
+            quant_dtype="int8",
             granularity=saved["granularity"],
             exclude_layers=tuple(saved["exclude_layers"]),
+            # Checkpoints written before the LM head and embedding were kept hold them in int8.
+            quantize_embeddings=saved.get("quantize_embeddings", True),
+            smoothquant_alpha=0.0,  # written tensor by tensor, without a calibration pass
             prequantized=True,
         )
 

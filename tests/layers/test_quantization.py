@@ -116,8 +116,10 @@ def test_lm_head_and_embedding_quantized():
         m.weight.data.normal_()
     ids, hidden = torch.tensor([0, 7, 49, 7]), torch.randn(4, 32)
     w, want_logits, want_rows = head.weight.clone(), head(hidden), emb(ids)
-    DynamicQuantConfig().apply(head)
-    DynamicQuantConfig().apply(emb)
+    # Kept in full precision by default (as vLLM does); quantize_embeddings asks for int8.
+    assert DynamicQuantConfig().apply(head) == [] and DynamicQuantConfig().apply(emb) == []
+    DynamicQuantConfig(quantize_embeddings=True).apply(head)
+    DynamicQuantConfig(quantize_embeddings=True).apply(emb)
     assert emb.weight.dtype == torch.int8
     rows_err = (emb(ids) - want_rows).abs()
     assert torch.all(rows_err <= emb.weight_scale[ids, None] / 2 * 1.0001)
@@ -136,7 +138,8 @@ def test_exclude_layers_leaves_modules_untouched(model_factory):
     x = torch.randn(3, 64)
     ref = modules["model.layers.0.self_attn.qkv_proj"](x)
     full = weight_bytes(model)
-    done = DynamicQuantConfig().apply(model, exclude_layers=["lm_head", "*.self_attn.qkv_proj"])
+    quantizer = DynamicQuantConfig(quantize_embeddings=True)
+    done = quantizer.apply(model, exclude_layers=["lm_head", "*.self_attn.qkv_proj"])
     assert set(done) == {
         "model.embed_tokens",
         *(
@@ -153,7 +156,7 @@ def test_exclude_layers_leaves_modules_untouched(model_factory):
     assert torch.equal(modules["model.layers.0.self_attn.qkv_proj"](x), ref)
     assert all(hasattr(modules[name], "quant_kernel") for name in done)
     assert weight_bytes(model) < full
-    assert DynamicQuantConfig().apply(model, exclude_layers=["lm_head", "*.qkv_proj"]) == []
+    assert quantizer.apply(model, exclude_layers=["lm_head", "*.qkv_proj"]) == []
 
 
 def test_tied_weight_excluded_on_one_side_stays_full_precision(model_factory):
@@ -161,7 +164,7 @@ def test_tied_weight_excluded_on_one_side_stays_full_precision(model_factory):
 
     config = EngineArgs(model=str(model_factory("qwen2")), dtype="float32").create_engine_config()
     model = load_model(config.model, torch.device("cpu"))
-    done = DynamicQuantConfig().apply(model, exclude_layers=["lm_head"])
+    done = DynamicQuantConfig(quantize_embeddings=True).apply(model, exclude_layers=["lm_head"])
     assert "model.embed_tokens" not in done and "lm_head" not in done
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.dtype == torch.float32
@@ -212,6 +215,95 @@ def test_config_validation():
     with pytest.raises(ValueError, match="kernel"):
         DynamicQuantConfig(kernel="cutlass")
     with pytest.raises(ValueError, match="quant_dtype"):
-        DynamicQuantConfig(quant_dtype="int4")
+        DynamicQuantConfig(quant_dtype="int2")
+    with pytest.raises(ValueError, match="group_size"):
+        DynamicQuantConfig(quant_dtype="int4", group_size=48)
+    with pytest.raises(ValueError, match="smoothquant_alpha"):
+        DynamicQuantConfig(smoothquant_alpha=1.5)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(model="/nonexistent", quantization="int3")._verify()
     with pytest.raises(ValueError, match="granularity"):
         EngineArgs(model="/nonexistent", quantization="int8", quant_granularity="row")._verify()
+
+
+def _llama(model_factory):
+    from pagedllm.models.loader import load_model
+
+    config = EngineArgs(model=str(model_factory("llama")), dtype="float32").create_engine_config()
+    return load_model(config.model, torch.device("cpu"))
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    from pagedllm.layers.calibration import _calibration_attention
+
+    with torch.no_grad(), _calibration_attention(model):
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+        return model.compute_logits(hidden)
+
+
+def test_smoothing_keeps_the_float_model_and_flattens_input_ranges(model_factory):
+    from pagedllm.layers.calibration import collect_ranges, smooth
+
+    model = _llama(model_factory)
+    torch.manual_seed(0)
+    windows = [torch.randint(0, 320, (48,)).tolist() for _ in range(3)]
+    suffixes = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    linears = {n: m for n, m in model.named_modules() if n.endswith(suffixes)}
+    for m in linears.values():  # input features of very different ranges: outliers to migrate
+        m.weight.data[:, :4] *= 0.02
+    model.model.layers[0].input_layernorm.weight.data[:4] = 40.0
+    before = _logits(model, windows[0])
+    ranges = collect_ranges(model, linears, windows)
+    assert all(len(r) == 3 and r[0].shape == (m.weight.shape[1],) for r, m in
+               zip(ranges.values(), linears.values()))  # fmt: skip
+    spread = {
+        n: (lambda a: a.max() / a.median())(torch.stack(r).amax(0)) for n, r in ranges.items()
+    }
+    done = smooth(model, ranges, 0.5, set(linears))
+    assert sorted(done) == sorted(linears)  # every projection had an op to fold into
+    assert torch.allclose(_logits(model, windows[0]), before, atol=1e-4, rtol=1e-4)
+    after = collect_ranges(model, linears, windows)
+    name = "model.layers.0.self_attn.qkv_proj"
+    flat = torch.stack(after[name]).amax(0)
+    assert flat.max() / flat.median() < spread[name] / 5  # the outlier features shrank
+    assert torch.allclose(torch.stack(after[name]), torch.stack(ranges[name]), rtol=1e-4)
+
+
+def test_default_int8_keeps_embeddings_and_down_proj_inputs_in_full_precision(model_factory):
+    model = _llama(model_factory)
+    torch.manual_seed(1)
+    windows = [torch.randint(0, 320, (32,)).tolist() for _ in range(2)]
+    ids = windows[0]
+    before = _logits(model, ids)
+    done = DynamicQuantConfig().apply(model, calibration=windows)
+    modules = dict(model.named_modules())
+    assert "lm_head" not in done and "model.embed_tokens" not in done
+    assert modules["lm_head"].weight.dtype == torch.float32
+    for name in done:
+        kernel = modules[name].quant_kernel
+        want = "weight_only" if name.endswith("down_proj") else "cpu_int8"
+        assert kernel.name == want, name
+    assert len(done) == 8
+    from pagedllm.layers.quantization import describe
+
+    assert describe(model) == (
+        "6 int8 W8A8 (cpu_int8), 2 int8 weight-only; full precision: model.embed_tokens, lm_head"
+    )
+    after = _logits(model, ids)
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean() > 0.9
+
+
+def test_calibrated_moving_average_observer_is_static(model_factory):
+    model = _llama(model_factory)
+    torch.manual_seed(2)
+    windows = [torch.randint(0, 320, (32,)).tolist() for _ in range(2)]
+    DynamicQuantConfig(observer_type="moving_average").apply(model, calibration=windows)
+    layer = model.model.layers[0].self_attn.qkv_proj
+    observer = layer.quant_kernel.observer
+    assert isinstance(observer, MovingAverageObserver) and observer.calibrated
+    scale = observer.absmax.clone()
+    assert scale > 0
+    x = torch.randn(4, 64)
+    first = layer(x)
+    layer(x * 100)  # a calibrated range does not follow the batches served
+    assert torch.equal(layer(x), first) and torch.equal(observer.absmax, scale)

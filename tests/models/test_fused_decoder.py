@@ -14,7 +14,12 @@ from helpers.generation import random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.quantization import DynamicQuantConfig
 from pagedllm.worker.cpu_decoder import CpuFusedDecoder
+
+# int8 x int8 in every linear (the C++ int8 kernel the fused decoder runs); the default int8
+# keeps down_proj weight-only, which the fused decoder cannot run (see the test below)
+W8A8 = DynamicQuantConfig(weight_only_layers=())
 
 CASES = [
     ("llama", "float32", None),
@@ -68,7 +73,6 @@ def run_engine(
     llm = LLM(
         model_dir,
         dtype=dtype,
-        quantization=quantization,
         block_size=4,
         max_num_batched_tokens=32,  # prompts of 20-45 tokens run in chunks
         max_num_seqs=4,
@@ -76,6 +80,8 @@ def run_engine(
         kv_cache_memory_bytes=1 << 20,
         enforce_eager=enforce_eager,
     )
+    if quantization == "int8":
+        W8A8.apply(llm.llm_engine.model)  # rebuilds the fast path: now with int8 products
     base = random_prompts(3, 20, 45, seed=3)
     prompts = base + [base[0][:16] + [5, 6, 7]]  # shares four full blocks with the first
     out = generate(llm, prompts)
@@ -101,6 +107,18 @@ def test_fused_layers_equal_the_python_layers(
     assert fused == python  # token ids and logprobs, bit for bit
 
 
+def test_default_int8_runs_the_modules(model_factory, monkeypatch):
+    """The default int8 (down_proj weight-only) has a product the fused decoder cannot run:
+    the runner does not build it and the modules run every step."""
+    counter = FusedCounter(monkeypatch)
+    llm = LLM(str(model_factory("llama")), dtype="float32", quantization="int8")
+    runner = llm.llm_engine.executor.local_runner
+    assert runner.fast_path is None
+    assert "no fused form" in CpuFusedDecoder.why_not(runner.model.model.layers, runner.dtype)
+    generate(llm, [[5, 6, 7, 8]])
+    assert counter.calls == 0
+
+
 def test_layers_without_the_cpu_kernel_take_the_python_path(model_factory, monkeypatch):
     counter = FusedCounter(monkeypatch)
     llm = LLM(str(model_factory("llama")), dtype="float32", attention_backend="torch")
@@ -116,10 +134,8 @@ def test_layers_without_the_cpu_kernel_take_the_python_path(model_factory, monke
 
 
 def test_the_fast_path_changes_only_on_an_explicit_rebuild(model_factory, monkeypatch):
-    """Built once with the KV cache; quantizing a model that already ran takes effect at
-    rebuild_fast_path(); re-allocating the KV cache rebuilds it."""
-    from pagedllm.layers.quantization import DynamicQuantConfig
-
+    """Built once with the KV cache; quantizing a model that already ran rebuilds it (apply
+    calls the runner's rebuild_fast_path); re-allocating the KV cache rebuilds it."""
     FusedCounter(monkeypatch)
     llm = LLM(str(model_factory("llama")), dtype="float32", max_num_seqs=2)
     engine = llm.llm_engine
@@ -129,15 +145,14 @@ def test_the_fast_path_changes_only_on_an_explicit_rebuild(model_factory, monkey
     first = runner.fast_path
     generate(llm, prompt)
     assert runner.fast_path is first  # kept between steps
-    DynamicQuantConfig().apply(engine.model)
-    assert runner.fast_path is first  # nothing watches the modules
-    runner.rebuild_fast_path()
+    W8A8.apply(engine.model)  # calls the runner's rebuild_fast_path
+    assert runner.fast_path is not first
     quantized = generate(llm, prompt)
     operands = runner.fast_path.operands
-    assert runner.fast_path is not first
     assert any(t is not None and t.dtype == torch.int8 for t in operands.tensors)
-    fresh = LLM(str(model_factory("llama")), dtype="float32", quantization="int8")
-    assert generate(fresh, prompt) == quantized
+    fresh = LLM(str(model_factory("llama")), dtype="float32", enforce_eager=True)
+    W8A8.apply(fresh.llm_engine.model)
+    assert generate(fresh, prompt) == quantized  # the modules, quantized the same way
     current = runner.fast_path
     runner.allocate_kv_cache(runner.num_blocks)
     generate(llm, prompt)

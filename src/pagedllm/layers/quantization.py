@@ -29,13 +29,14 @@ import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import QuantConfig
-from pagedllm.layers import cpu_int8
+from pagedllm.layers import cpu_int8, weight_only
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
@@ -90,17 +91,31 @@ class MinMaxObserver:
 class MovingAverageObserver:
     """torch.ao's MovingAverageMinMaxObserver made symmetric: one range for all tokens, an
     exponential moving average of each batch's absolute maximum (values beyond it saturate).
-    Its result depends on the batches seen before, so greedy output is not batch-invariant."""
+
+    Calibrated (:meth:`calibrate`, which ``apply`` runs over its calibration windows), the
+    range is fixed: a static activation scale, so a token's result never depends on the
+    batches served. Uncalibrated, it keeps averaging the batches it sees: then greedy output
+    is not batch-invariant."""
 
     def __init__(self, device: torch.device, averaging_constant: float = 0.01) -> None:
         self.absmax = torch.zeros((), device=device)
         self.averaging_constant = averaging_constant
+        self.calibrated = False
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        current = x.abs().amax().float()
+    def update(self, current: torch.Tensor) -> None:
         # The first batch (absmax still 0) sets the range; no host sync either way.
         blended = self.absmax + self.averaging_constant * (current - self.absmax)
         self.absmax.copy_(torch.where(self.absmax == 0, current, blended))
+
+    def calibrate(self, batch_absmax: Iterable[torch.Tensor]) -> None:
+        """Average the ranges of calibration batches and freeze the result."""
+        for current in batch_absmax:
+            self.update(current.float().to(self.absmax.device))
+        self.calibrated = bool(self.absmax > 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.calibrated:
+            self.update(x.abs().amax().float())
         return self.absmax.expand(x.shape[0], 1)
 
 
@@ -209,6 +224,8 @@ class CpuInt8Kernel(Int8Kernel):
         super().__init__(module, observer)
         if not isinstance(observer, MinMaxObserver):
             raise ValueError("the cpu_int8 kernel needs the per-token (minmax) observer.")
+        if not cpu_int8.load():
+            raise RuntimeError("the C++ int8 kernel could not be built on this machine")
         self.levels = QMAX if _cpu_has_vnni() and cpu_int8.has_vnni() else 63
         self.packed, self.rowsum = cpu_int8.pack(self.qweight)
         self.shape = tuple(self.qweight.shape)
@@ -239,14 +256,43 @@ class IntMMKernel(Int8Kernel):
 
 
 class WeightOnlyKernel(Int8Kernel):
-    """Weight-only int8: the int8 weight is dequantized inside the matmul."""
+    """Weight-only int8: activations stay in full precision. On CPU the C++ kernel of
+    layers/weight_only.py unpacks the int8 rows in registers (the per-row scale is one group
+    spanning the row); where it cannot run, the int8 weight is dequantized inside the matmul."""
 
     name = "weight_only"
 
+    def __init__(self, module: nn.Module, observer: Callable | None) -> None:
+        super().__init__(module, observer)
+        rows, cols = self.qweight.shape
+        self.packed: weight_only.PackedWeight | None = None
+        if self.qweight.device.type == "cpu" and cols % weight_only.BLOCK == 0:
+            self.packed = weight_only.PackedWeight(8, self.qweight, self.scale.view(rows, 1), None)
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return weight_only.linear(x, self.packed, None)
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+
+
+class GroupKernel(Int8Kernel):
+    """Weight-only int4 (or group-wise int8) of layers/weight_only.py: the module's weight
+    is a PackedWeight (``weight_packed`` codes, ``weight_group_scale`` / ``_offset``)."""
+
+    name = "weight_only_group"
+
+    def __init__(self, module: nn.Module, packed: weight_only.PackedWeight) -> None:
+        self.packed = packed
+        self.scale = packed.scale  # [N, groups]: rows are the layer's output features
+        self.observer = None
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_only.linear(x, self.packed, None)
+
+    def weight_int8(self) -> torch.Tensor:
+        raise TypeError("a group-quantized weight has no per-row int8 form")
 
 
 KERNELS: dict[str, type[Int8Kernel]] = {
@@ -355,6 +401,25 @@ def _to_int8_class(module: nn.Module, kernel: Int8Kernel | None) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
+def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
+    """Make a float linear layer (or LM head) run on a group-quantized weight: int4 / int8
+    codes in layers/weight_only.py's layout, from quantizing it or from a GGUF file's blocks
+    (layers/gguf_repack.py). The float weight is dropped; an empty one keeps the name."""
+    if not isinstance(module, (LinearBase, ParallelLMHead)):
+        raise TypeError(f"{type(module).__name__} has no matmul to run on packed weights")
+    rows, cols = packed.shape
+    if tuple(module.weight.shape) != (rows, cols):
+        raise ValueError(f"packed weight {rows}x{cols} != layer {tuple(module.weight.shape)}")
+    module.dequant_dtype = module.weight.dtype
+    module.register_buffer("weight_packed", packed.qweight, persistent=False)
+    module.register_buffer("weight_group_scale", packed.scale, persistent=False)
+    if packed.offset is not None:
+        module.register_buffer("weight_group_offset", packed.offset, persistent=False)
+    module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    module.quant_method = f"int{packed.bits} weight-only, group {packed.group}"
+    _to_int8_class(module, GroupKernel(module, packed))
+
+
 # ---- the config and its passes ---------------------------------------------------------------
 def _excluded(name: str, patterns: Iterable[str]) -> bool:
     """A module name matches a pattern exactly, as an fnmatch glob, or as a dotted suffix
@@ -394,9 +459,54 @@ def _empty_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+# Defaults measured on SmolLM2-135M-Instruct (benchmarks/quant.py sensitivity: top-1
+# agreement with fp32 over pydoc text, fake-quantizing one kind of layer at a time): the LM
+# head and token embedding stay in full precision (as vLLM keeps them); per-token int8
+# inputs cost the most agreement at down_proj, whose inputs (silu(gate) * up) carry the
+# largest outliers, so it takes int8 weights with full-precision inputs.
+DEFAULT_WEIGHT_ONLY_LAYERS: tuple[str, ...] = ("*.mlp.down_proj",)
+DEFAULT_SMOOTHQUANT_ALPHA = 0.5
+EMBEDDING_CLASSES = (ParallelLMHead, VocabParallelEmbedding)
+CALIBRATION_TOKENS = 1024  # tokens of the calibration pass (windows of CALIBRATION_WINDOW)
+CALIBRATION_WINDOW = 256
+
+
+def calibration_windows(ids: list[int], tokens: int = CALIBRATION_TOKENS) -> list[list[int]]:
+    """Token windows for :meth:`DynamicQuantConfig.apply` from a token stream."""
+    ids = ids[:tokens]
+    return [ids[i : i + CALIBRATION_WINDOW] for i in range(0, len(ids), CALIBRATION_WINDOW)]
+
+
+def calibration_text() -> str:
+    """Text that ships with Python (pydoc's topics), taken from the half of its topics that
+    ``pagedllm quantize-eval`` does not score by default."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics)[0::2])
+
+
+def weights_changed(model: nn.Module) -> None:
+    """Tell whoever runs ``model`` that its linear layers were replaced: an engine's runner
+    installs its ``rebuild_fast_path`` as ``model.on_weights_changed``, so quantizing a model
+    that already ran (``apply(model=engine.model)``) also changes what the next step runs."""
+    callback = getattr(model, "on_weights_changed", None)
+    if callback is not None:
+        callback()
+
+
 @dataclass(frozen=True)
 class DynamicQuantConfig(QuantConfig):
-    """int8 quantization of a model's linear layers, LM head and embedding (module docstring).
+    """int8 / int4 quantization of a model's linear layers (module docstring).
+
+    With the defaults (quant_dtype int8) the LM head and embedding stay in full precision,
+    ``weight_only_layers`` (default DEFAULT_WEIGHT_ONLY_LAYERS) get int8 weights with
+    full-precision inputs, the rest int8 x int8 products; given calibration windows, the
+    activation outliers of the int8 x int8 layers are first folded into their weights
+    (SmoothQuant, smoothquant_alpha) and a moving_average observer is calibrated into a
+    static scale. quant_dtype int4: every target layer weight-only int4 (round-to-nearest,
+    one scale and offset per group_size inputs; 32 by default, GGUF Q4_1's grid: on
+    SmolLM2, whose weights come from a Q4_1 file, groups of 64 / 128 cost 0.27 / 0.38 nats of
+    KL per token where 32 reproduces the weights exactly).
 
     kernel: one of KERNELS, or None for the fastest the device has (on CPU the C++ cpu_int8
     kernel with the minmax observer, else oneDNN; _int_mm on CUDA; weight-only when
@@ -409,15 +519,35 @@ class DynamicQuantConfig(QuantConfig):
         super().__post_init__()
         if self.kernel is not None and self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {self.kernel!r}.")
+        if self.group_size <= 0 or self.group_size % weight_only.BLOCK:
+            raise ValueError(f"group_size must be a multiple of 32, got {self.group_size}.")
+        alpha = self.smoothquant_alpha
+        if alpha is not None and not 0.0 <= alpha < 1.0:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1), got {alpha}.")
+        if self.quant_dtype == "int4" and self.prequantized:
+            raise ValueError("int4 is quantized at load time; prequantized checkpoints are int8.")
 
     @classmethod
     def from_config(cls, config: QuantConfig) -> DynamicQuantConfig:
         return cls(**dataclasses.asdict(config))
 
+    @property
+    def weight_only_patterns(self) -> tuple[str, ...]:
+        if self.weight_only_layers is None:
+            return DEFAULT_WEIGHT_ONLY_LAYERS
+        return tuple(self.weight_only_layers)
+
+    @property
+    def alpha(self) -> float:
+        return (
+            DEFAULT_SMOOTHQUANT_ALPHA if self.smoothquant_alpha is None else self.smoothquant_alpha
+        )
+
     def targets(
         self, model: nn.Module, exclude_layers: Iterable[str] | None = None
     ) -> dict[str, nn.Module]:
-        """Modules to quantize: linear layers, LM head and embedding not excluded nor done."""
+        """Modules to quantize: linear layers (and, with quantize_embeddings, the LM head and
+        embedding; int4 never takes the embedding) not excluded nor done."""
         patterns = tuple(self.exclude_layers if exclude_layers is None else exclude_layers)
         candidates = {
             name: m
@@ -427,50 +557,164 @@ class DynamicQuantConfig(QuantConfig):
         for p in patterns:
             if not any(_excluded(name, [p]) for name in candidates):
                 logger.warning("quantization exclude pattern %r matches no layer", p)
-        # A weight shared with an excluded module (tied embeddings) stays as it is too.
-        kept = {id(m.weight) for n, m in candidates.items() if _excluded(n, patterns)}
+
+        def kept(name: str, m: nn.Module) -> bool:
+            if _excluded(name, patterns):
+                return True
+            if type(m) is VocabParallelEmbedding and self.quant_dtype == "int4":
+                return True
+            return isinstance(m, EMBEDDING_CLASSES) and not self.quantize_embeddings
+
+        # A weight shared with a module kept (tied embeddings) stays as it is too.
+        kept_weights = {id(m.weight) for n, m in candidates.items() if kept(n, m)}
         return {
             n: m
             for n, m in candidates.items()
-            if not _excluded(n, patterns) and id(m.weight) not in kept
+            if not kept(n, m) and id(m.weight) not in kept_weights
         }
 
-    def apply(self, model: nn.Module, exclude_layers: Iterable[str] | None = None) -> list[str]:
+    def is_weight_only(self, name: str) -> bool:
+        return not self.enable_activation or _excluded(name, self.weight_only_patterns)
+
+    def apply(
+        self,
+        model: nn.Module,
+        exclude_layers: Iterable[str] | None = None,
+        calibration: list[list[int]] | None = None,
+    ) -> list[str]:
         """Quantize a loaded model in place; returns the names of the modules quantized.
 
         exclude_layers (module names or patterns, see _excluded) default to the config's.
+        calibration: token windows (:func:`calibration_windows`) for SmoothQuant and the
+        moving_average observer's static scale; None: those of the model's tokenizer folder
+        when the loader recorded one (``calibration_folder``, so that quantizing an engine's
+        model equals quantizing at load), else no smoothing, and a moving_average observer
+        keeps following the batches it sees.
         """
         targets = self.targets(model, exclude_layers)
-        _replace_weights(targets.values(), lambda w: quantize_weight(w, self.granularity))
-        self._bind(targets.values())
+        if calibration is None and getattr(model, "calibration_folder", None):
+            calibration = calibration_for_folder(model.calibration_folder)
+        if self.quant_dtype == "int4":
+            for name, module in targets.items():
+                self._pack_int4(name, module)
+        else:
+            ranges = self._calibrate(model, targets, calibration)
+            _replace_weights(targets.values(), lambda w: quantize_weight(w, self.granularity))
+            self._bind(targets, ranges)
+        if targets:
+            weights_changed(model)
         return list(targets)
+
+    def _pack_int4(self, name: str, module: nn.Module) -> None:
+        group = weight_only.group_size_for(module.weight.shape[1], self.group_size)
+        if group is None:
+            raise ValueError(
+                f"int4 needs input features in multiples of 32; {name} has "
+                f"{module.weight.shape[1]} (exclude it with exclude_layers)"
+            )
+        install_packed(module, weight_only.quantize(module.weight, 4, group))
+
+    def _calibrate(
+        self,
+        model: nn.Module,
+        targets: dict[str, nn.Module],
+        calibration: list[list[int]] | None,
+    ) -> dict[str, list[torch.Tensor]]:
+        """SmoothQuant folds and the activation ranges of the int8 x int8 layers."""
+        active = {
+            n: m
+            for n, m in targets.items()
+            if isinstance(m, LinearBase) and not self.is_weight_only(n)
+        }
+        wants_ranges = self.alpha > 0 or self.observer_type == "moving_average"
+        if not calibration or not active or not wants_ranges:
+            return {}
+        if any(m.comm.world_size != 1 for m in active.values()):
+            # Each rank holds a shard: smoothing factors from shard-local weight ranges would
+            # divide the replicated norms differently per rank.
+            logger.warning("tensor parallel: int8 runs without its calibration pass")
+            return {}
+        from pagedllm.layers import calibration as calib
+
+        ranges = calib.collect_ranges(model, active, calibration)
+        if self.alpha > 0:
+            calib.smooth(model, ranges, self.alpha, set(active), set(targets))
+        return ranges
 
     def prepare_checkpoint(self, model: nn.Module) -> None:
         """Before loading a pre-quantized checkpoint: int8 parameters for it to fill."""
         if self.prequantized:
             _replace_weights(self.targets(model).values(), _empty_int8)
 
-    def finish_loading(self, model: nn.Module) -> list[str]:
+    def finish_loading(
+        self, model: nn.Module, calibration: list[list[int]] | None = None
+    ) -> list[str]:
         """After loading: quantize the full-precision weights, or bind the loaded int8 ones."""
         if not self.prequantized:
-            return self.apply(model)
+            return self.apply(model, calibration=calibration)
         targets = self.targets(model)
-        self._bind(targets.values())
+        self._bind(targets, {})
         return list(targets)
 
-    def _bind(self, modules: Iterable[nn.Module]) -> None:
+    def _bind(self, targets: dict[str, nn.Module], ranges: dict[str, list[torch.Tensor]]) -> None:
         """Install the int8 matmul / forward of each module whose weight is int8 now."""
-        for module in modules:
+        for name, module in targets.items():
             kernel = None
             if isinstance(module, (LinearBase, ParallelLMHead)):
-                name = _kernel_for(module, self.kernel, self.enable_activation, self.observer_type)
-                observer = OBSERVERS[self.observer_type](module.weight.device)
-                kernel = KERNELS[name](module, observer if self.enable_activation else None)
+                weight_only_layer = self.is_weight_only(name)
+                kernel_name = _kernel_for(
+                    module, None if weight_only_layer else self.kernel,
+                    not weight_only_layer, self.observer_type,
+                )  # fmt: skip
+                observer = None
+                if not weight_only_layer:
+                    observer = OBSERVERS[self.observer_type](module.weight.device)
+                    if isinstance(observer, MovingAverageObserver) and ranges.get(name):
+                        observer.calibrate(r.amax() for r in ranges[name])
+                kernel = KERNELS[kernel_name](module, observer)
+                module.quant_method = (
+                    "int8 weight-only" if weight_only_layer else f"int8 W8A8 ({kernel.name})"
+                )
+            else:
+                module.quant_method = "int8 embedding"
             _to_int8_class(module, kernel)
 
 
+def describe(model: nn.Module) -> str:
+    """What is quantized and how, for the startup log: layers per method, and the layers
+    left in full precision (named when there are a few)."""
+    counts: dict[str, int] = {}
+    full: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, QUANTIZABLE):
+            method = getattr(m, "quant_method", None)
+            if method is None:
+                full.append(name)
+            else:
+                counts[method] = counts.get(method, 0) + 1
+    if not counts:
+        return "no layer quantized"
+    parts = ", ".join(f"{n} {method}" for method, n in sorted(counts.items()))
+    kept = ", ".join(full) if len(full) <= 4 else f"{len(full)} layers"
+    return parts + (f"; full precision: {kept}" if full else "")
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take: parameters (shared ones once) and packed int8 weights."""
+    """Bytes the model's weights take: parameters (shared ones once) and packed weights."""
     tensors = list(model.parameters())
-    tensors += [b for name, b in model.named_buffers() if name.endswith("weight_packed")]
+    packed = ("weight_packed", "weight_group_scale", "weight_group_offset")
+    tensors += [b for name, b in model.named_buffers() if name.endswith(packed)]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def calibration_for_folder(folder: str) -> list[list[int]] | None:
+    """Calibration windows of :func:`calibration_text` tokenized with the folder's
+    tokenizer.json; None (with a warning) where the folder has none."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        logger.warning("no tokenizer.json in %s: int8 runs without its calibration pass", folder)
+        return None
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(path)).encode(calibration_text()[: CALIBRATION_TOKENS * 8]).ids
+    return calibration_windows(ids)

@@ -156,6 +156,7 @@ def load_model(
     cpu_fused_ops: bool = True,
 ) -> nn.Module:
     model = build_model(config, device, comm, cpu_fused_ops)
+    model.calibration_folder = config.tokenizer  # the text of a later quantization pass
     quant = None
     if config.quant_config is not None:
         from pagedllm.layers.quantization import DynamicQuantConfig
@@ -164,5 +165,8 @@ def load_model(
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
     load_weights(model, open_source(config.model).iterate_weights(torch_dtype(config.dtype)))
     if quant is not None:
-        quant.finish_loading(model)
+        from pagedllm.layers.quantization import describe
+
+        quant.finish_loading(model)  # calibrated on model.calibration_folder's tokenizer
+        logger.info("quantization (%s): %s", quant.quant_dtype, describe(model))
     return model.eval()

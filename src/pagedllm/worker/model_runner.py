@@ -88,6 +88,8 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
         self.model = load_model(model_config, self.device, comm, self.kernels.cpu_fused_ops)
+        # an in-place change of its linears (quantization) rebuilds how steps run
+        self.model.on_weights_changed = self.rebuild_fast_path
         self.load_seconds = time.perf_counter() - start
         self.backend = get_attention_backend(
             device_config.attention_backend, self.device, self.kernels.attention_tiles

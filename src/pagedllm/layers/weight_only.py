@@ -1,0 +1,178 @@
+"""Weight-only int8 / int4 linear products with group-wise scales (csrc/weight_only_gemm.cpp).
+
+A layer's weight W [N, K] is kept quantized in groups of ``group`` input features (a multiple
+of 32 that divides K):
+
+* int8: ``qweight`` int8 [N, K], ``scale`` fp32 [N, K / group]; W = scale * q (symmetric).
+* int4: ``qweight`` uint8 [N, K / 2], ``scale`` and ``offset`` fp32 [N, K / group];
+  W = scale * q + offset with q in [0, 15]. Codes are two per byte in blocks of 32 features:
+  byte j of a block holds feature j (low nibble) and feature j + 16 (high nibble), GGUF's
+  Q4_0 / Q4_1 order, so those files repack by copying bytes (:mod:`pagedllm.layers.gguf_repack`).
+
+Activations stay in full precision (fp32, bf16 or fp16). A few rows (decode) run the C++
+kernel, which unpacks each block in registers; many rows (prefill) dequantize a slab of
+output rows at a time into a small scratch tile and multiply it with BLAS, so no call ever
+holds a dequantized copy of the whole weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.cpp_build import load_cpp_ops
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "weight_only_gemm.cpp"
+ISAS = ("avx512", "avx2", "scalar")
+BLOCK = 32  # features per packed block; group sizes are multiples of it
+KERNEL_MAX_ROWS = 16  # beyond this many rows the slab path (BLAS) is faster
+_SLAB_ELEMENTS = 1 << 20  # weights dequantized per slab on the many-row path (4 MiB fp32)
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first call of the first process) and load the kernel; False if that fails."""
+    try:
+        load_cpp_ops(_SOURCE, ["-O3", "-fopenmp"], "pagedllm_wo", "C++ weight-only GEMM kernel")
+    except Exception as exc:  # no compiler or ninja: the slab path still works
+        warnings.warn(
+            f"C++ weight-only kernel unavailable ({type(exc).__name__}: {exc}); dequantizing "
+            "weight slabs for every batch size",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    logger.info("C++ weight-only GEMM kernel loaded (%s)", torch.ops.pagedllm_wo.isa())
+    return True
+
+
+def isa() -> str:
+    """The instruction set the kernel runs on this CPU: avx512 | avx2 | scalar."""
+    load()
+    return torch.ops.pagedllm_wo.isa()
+
+
+def cpu_runs(name: str) -> bool:
+    load()
+    return bool(torch.ops.pagedllm_wo.runs(name))
+
+
+def group_size_for(in_features: int, requested: int) -> int | None:
+    """The group size used for a layer with in_features inputs: the requested one if it
+    divides them, else the largest smaller multiple of 32 that does; None if none does."""
+    if requested % BLOCK or requested <= 0:
+        raise ValueError(f"group_size must be a positive multiple of {BLOCK}, got {requested}.")
+    for group in range(requested, 0, -BLOCK):
+        if in_features % group == 0:
+            return group
+    return None
+
+
+@dataclass
+class PackedWeight:
+    """A quantized weight in the kernel's layout (module docstring)."""
+
+    bits: int  # 8 or 4
+    qweight: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2]
+    scale: torch.Tensor  # fp32 [N, K / group]
+    offset: torch.Tensor | None  # fp32 [N, K / group] for int4, else None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.qweight.shape
+        return rows, cols * (2 if self.bits == 4 else 1)
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.scale.shape[1]
+
+    def nbytes(self) -> int:
+        parts = [self.qweight, self.scale] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """fp32 W[rows] (tests, the slab path, saving)."""
+        scale = self.scale[rows]
+        if self.bits == 8:
+            q = self.qweight[rows].float()
+        else:
+            q = unpack_int4(self.qweight[rows]).float()
+        w = q.view(q.shape[0], scale.shape[1], -1) * scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[rows][..., None]
+        return w.view(q.shape[0], -1)
+
+
+# ---- packing -------------------------------------------------------------------------------
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in [0, 15] -> [N, K / 2] bytes in the block order (docstring)."""
+    rows, cols = codes.shape
+    blocks = codes.to(torch.uint8).view(rows, cols // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: uint8 codes [N, K]."""
+    rows, half = packed.shape
+    blocks = packed.view(rows, half // (BLOCK // 2), 1, BLOCK // 2)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(rows, half * 2)
+
+
+def quantize(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
+    """Round-to-nearest with one scale per group: int8 symmetric (|q| <= 127), int4 over each
+    group's [min, max] (16 levels, the offset is the minimum)."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    if cols % group or group % BLOCK:
+        raise ValueError(f"group {group} must be a multiple of {BLOCK} dividing {cols}.")
+    g = w.view(rows, cols // group, group)
+    tiny = torch.finfo(torch.float32).tiny
+    if bits == 8:
+        scale = (g.abs().amax(-1) / 127).clamp_min(tiny)
+        q = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        return PackedWeight(8, q.view(rows, cols).contiguous(), scale.contiguous(), None)
+    if bits != 4:
+        raise ValueError(f"bits must be 8 or 4, got {bits}.")
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low) / 15).clamp_min(tiny)
+    q = ((g - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
+    return PackedWeight(4, pack_int4(q.view(rows, cols)), scale.contiguous(), low.contiguous())
+
+
+# ---- the product ---------------------------------------------------------------------------
+def kernel_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, isa: str | None = None
+) -> torch.Tensor:
+    """x [M, K] (fp32 / bf16 / fp16) -> [M, N] in x's dtype through the C++ kernel. isa forces
+    an instruction set the CPU runs (tests); None takes the best."""
+    if not load():
+        raise RuntimeError("the C++ weight-only kernel could not be built on this machine")
+    return torch.ops.pagedllm_wo.weight_only_linear(
+        x, weight.qweight, weight.scale, weight.offset, weight.bits, bias, isa
+    )
+
+
+def slab_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows: dequantize a slab of output rows at a time and multiply it with BLAS."""
+    rows, cols = weight.shape
+    step = max(16, _SLAB_ELEMENTS // cols)
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    for start in range(0, rows, step):
+        part = slice(start, min(rows, start + step))
+        w = weight.dequantize(part).to(x.dtype)
+        torch.matmul(x, w.t(), out=out[:, part])
+    return out if bias is None else out.add_(bias)
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] W^T + bias with the quantized weight: the C++ kernel for a few CPU rows."""
+    if x.device.type == "cpu" and x.shape[0] <= KERNEL_MAX_ROWS and load():
+        return kernel_linear(x, weight, bias)
+    return slab_linear(x, weight, bias)

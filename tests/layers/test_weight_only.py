@@ -1,0 +1,171 @@
+"""Weight-only int8 / int4 kernels with group scales, and GGUF blocks repacked into them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.layers import gguf_repack, weight_only
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.quantization import DynamicQuantConfig, install_packed, weight_bytes
+
+SHAPES = [
+    (1, 64, 32, 32),
+    (1, 576, 1536, 64),
+    (3, 576, 577, 64),
+    (8, 1536, 96, 128),
+    (16, 256, 40, 32),
+]
+
+
+def _isas() -> list[str]:
+    return [i for i in weight_only.ISAS if weight_only.cpu_runs(i)]
+
+
+def _reference(x: torch.Tensor, packed: weight_only.PackedWeight) -> torch.Tensor:
+    return (x.double() @ packed.dequantize().double().t()).float()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("m", "k", "n", "group"), SHAPES)
+def test_kernel_matches_the_dequantized_product_on_every_isa(bits, m, k, n, group):
+    torch.manual_seed(m * 7 + k + n)
+    w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]  # rows of very different ranges
+    x = torch.randn(m, k)
+    packed = weight_only.quantize(w, bits, group)
+    assert packed.group == group and packed.shape == (n, k)
+    want = _reference(x, packed)
+    tol = 1e-5 * (x.abs() @ packed.dequantize().abs().t()) + 1e-6
+    isas = _isas()
+    assert "scalar" in isas
+    for isa in isas:
+        got = weight_only.kernel_linear(x, packed, None, isa)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert torch.all((got - want).abs() <= tol), isa
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantization_error_is_half_a_step_per_group(bits):
+    torch.manual_seed(0)
+    w = torch.randn(48, 256)
+    w[:, 64:128] *= 50  # one group of large values: its scale must not spread to the others
+    packed = weight_only.quantize(w, bits, 64)
+    step = packed.scale.repeat_interleave(64, dim=1)
+    assert torch.all((packed.dequantize() - w).abs() <= step / 2 * 1.0001 + 1e-7)
+    assert packed.scale[:, 0].max() < packed.scale[:, 1].min()  # the groups kept their own
+    # codes + one fp32 scale (and offset) per group
+    assert packed.nbytes() < w.numel() * (0.27 if bits == 8 else 0.16) * 4 + 1
+
+
+def test_int4_codes_pack_in_gguf_block_order():
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    packed = weight_only.pack_int4(codes)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 16] << 4)  # feature j and j + 16 share a byte
+    assert packed[0, 16] == codes[0, 32] | (codes[0, 48] << 4)
+    assert torch.equal(weight_only.unpack_int4(packed), codes)
+
+
+def test_bf16_activations_and_bias():
+    torch.manual_seed(1)
+    w, x, bias = torch.randn(40, 128), torch.randn(2, 128).bfloat16(), torch.randn(40)
+    packed = weight_only.quantize(w, 4, 32)
+    got = weight_only.kernel_linear(x, packed, bias)
+    assert got.dtype == torch.bfloat16
+    want = _reference(x.float(), packed) + bias
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_many_rows_take_the_slab_path_with_the_same_result():
+    torch.manual_seed(2)
+    w, x = torch.randn(300, 96), torch.randn(weight_only.KERNEL_MAX_ROWS + 5, 96)
+    packed = weight_only.quantize(w, 4, 32)
+    want = _reference(x, packed)
+    assert torch.allclose(weight_only.linear(x, packed, None), want, atol=1e-4)
+    small = x[: weight_only.KERNEL_MAX_ROWS]
+    assert torch.allclose(weight_only.linear(small, packed, None), want[: len(small)], atol=1e-4)
+
+
+def test_group_size_falls_back_to_a_divisor():
+    assert weight_only.group_size_for(1536, 128) == 128
+    assert weight_only.group_size_for(576, 128) == 96  # 576 = 6 x 96
+    assert weight_only.group_size_for(48, 128) is None
+    with pytest.raises(ValueError, match="multiple of 32"):
+        weight_only.group_size_for(64, 48)
+    with pytest.raises(ValueError, match="group"):
+        weight_only.quantize(torch.randn(4, 96), 4, 64)
+
+
+def test_int4_config_quantizes_linear_layers_with_bounded_error():
+    torch.manual_seed(3)
+    layer = ReplicatedLinear(256, 64, bias=True)
+    layer.weight.data.normal_(0, 0.05)
+    layer.bias.data.normal_()
+    x = torch.randn(5, 256)
+    want, full = layer(x), weight_bytes(layer)
+    assert DynamicQuantConfig(quant_dtype="int4", group_size=64).apply(layer) == [""]
+    assert layer.quant_kernel.packed.bits == 4 and layer.quant_method.startswith("int4")
+    err = (layer(x) - want).abs()
+    step = layer.weight_group_scale.max()
+    assert err.max() > 0 and torch.all(err <= x.abs().sum(1, keepdim=True) * step / 2 + 1e-4)
+    assert weight_bytes(layer) < full * 0.2  # 4-bit codes + fp32 scale and offset per 64
+
+
+# ---- GGUF blocks ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_repack_exactly(name):
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[name]
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 160)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    data = quantize(w, qtype)  # uint8 [rows, bytes per row], as GGUFReader gives them
+    packed = gguf_repack.repack(data, int(qtype))
+    assert packed.bits == (8 if name == "Q8_0" else 4) and packed.group == 32
+    assert packed.shape == (48, 160)
+    want = torch.from_numpy(np.array(dequantize(data, qtype)))
+    assert torch.equal(packed.dequantize(), want.float())
+    x = torch.randn(2, 160)
+    got = weight_only.kernel_linear(x, packed)
+    assert torch.allclose(got, x @ want.float().t(), rtol=1e-4, atol=1e-4)
+    assert packed.qweight.numel() == 48 * 160 // (2 if packed.bits == 4 else 1)  # no fp copy
+
+
+def test_gguf_repack_of_the_real_q4_1_file_matches_gguf_dequantize():
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+    from helpers.real_model import smollm2_gguf
+
+    reader = gguf.GGUFReader(str(smollm2_gguf()))
+    kinds = {}
+    for tensor in reader.tensors:
+        if gguf_repack.supported(tensor.tensor_type) and tensor.tensor_type.name not in kinds:
+            packed = gguf_repack.repack(tensor.data, tensor.tensor_type)
+            want = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)))
+            assert torch.equal(packed.dequantize(), want.float()), tensor.name
+            kinds[tensor.tensor_type.name] = tensor.name
+    assert {"Q4_1", "Q8_0"} <= set(kinds)
+
+
+def test_repacked_weights_run_in_a_layer_and_stack_by_rows():
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(1)
+    parts = [rng.standard_normal((n, 64)).astype(np.float32) for n in (32, 16, 16)]
+    packed = [gguf_repack.repack(quantize(p, gguf.GGMLQuantizationType.Q4_1), 3) for p in parts]
+    merged = gguf_repack.concat_rows(packed)
+    layer = ReplicatedLinear(64, 64)
+    install_packed(layer, merged)
+    x = torch.randn(3, 64)
+    want = x @ torch.cat([p.dequantize() for p in packed]).t()
+    assert torch.allclose(layer(x), want, atol=1e-4)
+    order = torch.randperm(64)
+    swapped = gguf_repack.select_rows(merged, order)
+    assert torch.equal(swapped.dequantize(), merged.dequantize()[order])
+    with pytest.raises(ValueError, match="packed weight"):
+        install_packed(ReplicatedLinear(64, 8), merged)
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+        gguf_repack.repack(np.zeros((2, 20), np.uint8), 12)
