@@ -7,13 +7,34 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """The attention layers that share one window, and their own block pool: a block of
+    the group holds K and V of only its layers, so block bytes differ between groups."""
+
+    num_blocks: int
+    bytes_per_block: int  # K and V of the group's layers, one worker
+    window_left: int | None  # keys its queries look back at most; None: the whole sequence
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """The one runtime record of the KV cache's layout: the block manager, the scheduler and
     the model runners all read block_size and num_blocks from here once it is sized."""
 
-    num_blocks: int
+    num_blocks: int  # of group 0 (the only group of a model without mixed windows)
     block_size: int  # token slots per block
-    bytes_per_block: int  # over all layers of one worker, K and V
+    bytes_per_block: int  # over all layers of one worker, K and V (group 0's layers)
+    # Models mixing global and sliding-window layers: one entry per further group, its
+    # layers' own block pool (see KVCacheGroup); empty for every other model.
+    extra_groups: tuple[KVCacheGroup, ...] = ()
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        """Every group, group 0 first, with its block count and window."""
+        first = KVCacheGroup(self.num_blocks, self.bytes_per_block, self.group0_window)
+        return (first, *self.extra_groups)
+
+    group0_window: int | None = None  # group 0's window_left (None: global layers)
 
     @property
     def num_slots(self) -> int:
