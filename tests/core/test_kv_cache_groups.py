@@ -9,7 +9,7 @@ import pytest
 from helpers.sequences import make_seq
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache import KVCacheGroup
+from pagedllm.core.kv_cache import KVCacheGroup, split_kv_budget
 from pagedllm.core.kv_groups import GroupedBlockManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence
@@ -120,3 +120,14 @@ def test_admission_and_preemption_count_both_groups():
     assert sched.num_preemptions > 0
     assert bm.groups[1].num_released_blocks > 0 and bm.groups[0].num_released_blocks == 0
     assert bm.usage == 0.0
+
+
+def test_the_budget_is_split_by_need():
+    # a max-length sequence: 40 global blocks of 64 bytes, 7 sliding ones of 128 (+ a null)
+    need, per_block, windowed = [40, 7], [64, 128], [False, True]
+    per_seq = 40 * 64 + 7 * 128
+    assert split_kv_budget(3 * per_seq + 128, need, per_block, windowed, 8) == [120, 22]
+    # past max_num_seqs sequences, the rest keeps sliding blocks cached (up to the global count)
+    assert split_kv_budget(10 * per_seq + 128, need, per_block, windowed, 2) == [80, 81]
+    # below one sequence: equal counts, as one pool for both groups would hold
+    assert split_kv_budget(10 * 192 + 128, need, per_block, windowed, 8) == [10, 11]

@@ -44,6 +44,27 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
+def split_kv_budget(
+    budget: int, need: list[int], per_block: list[int], windowed: list[bool], max_seqs: int
+) -> list[int]:
+    """Block counts per KV cache group (group 0 global) for budget bytes: as many whole
+    max-length sequences as fit (need: blocks one holds per group; at most max_seqs), each
+    windowed group with one null block more. A budget below one such sequence gives every
+    group the same count, as one pool for all layers would (every request that fits one
+    pool still fits). Budget left over goes to the windowed groups (up to group 0's count),
+    where it keeps released blocks cached for prefix hits."""
+    budget -= sum(b for b, w in zip(per_block, windowed) if w)  # the null blocks
+    seqs = min(budget / sum(n * b for n, b in zip(need, per_block)), float(max_seqs))
+    counts = [int(seqs * n) for n in need]
+    if seqs < 1:
+        counts = [budget // sum(per_block)] * len(need)
+    spare = budget - sum(c * b for c, b in zip(counts, per_block))
+    windowed_bytes = sum(b for b, w in zip(per_block, windowed) if w)
+    more = max(0, spare) // windowed_bytes if windowed_bytes else 0
+    counts = [max(c, min(c + more, counts[0])) if w else c for c, w in zip(counts, windowed)]
+    return [c + w for c, w in zip(counts, windowed)]
+
+
 _INTERLEAVED = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere2"})
 
 

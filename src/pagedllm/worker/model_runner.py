@@ -24,7 +24,7 @@ from pagedllm.config import (
     SchedulerConfig,
     default_kv_cache_bytes,
 )
-from pagedllm.core.kv_cache import KVCacheGroup, KVCacheSpec
+from pagedllm.core.kv_cache import KVCacheGroup, KVCacheSpec, split_kv_budget
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
@@ -52,27 +52,6 @@ def _padded_tables(tables: list[list[int]]) -> np.ndarray:
     for row, table in enumerate(tables):
         out[row, : len(table)] = table
     return out
-
-
-def split_kv_budget(
-    budget: int, need: list[int], per_block: list[int], windowed: list[bool], max_seqs: int
-) -> list[int]:
-    """Block counts per KV cache group (group 0 global) for budget bytes: as many whole
-    max-length sequences as fit (need: blocks one holds per group; at most max_seqs), each
-    windowed group with one null block more. A budget below one such sequence gives every
-    group the same count, as one pool for all layers would (every request that fits one
-    pool still fits). Budget left over goes to the windowed groups (up to group 0's count),
-    where it keeps released blocks cached for prefix hits."""
-    budget -= sum(b for b, w in zip(per_block, windowed) if w)  # the null blocks
-    seqs = min(budget / sum(n * b for n, b in zip(need, per_block)), float(max_seqs))
-    counts = [int(seqs * n) for n in need]
-    if seqs < 1:
-        counts = [budget // sum(per_block)] * len(need)
-    spare = budget - sum(c * b for c, b in zip(counts, per_block))
-    windowed_bytes = sum(b for b, w in zip(per_block, windowed) if w)
-    more = max(0, spare) // windowed_bytes if windowed_bytes else 0
-    counts = [max(c, min(c + more, counts[0])) if w else c for c, w in zip(counts, windowed)]
-    return [c + w for c, w in zip(counts, windowed)]
 
 
 @dataclass
@@ -237,14 +216,11 @@ class ModelRunner:
         return KVCacheSpec(num_blocks, self.block_size, per_block)
 
     def _plan_grouped_kv_cache(self) -> KVCacheSpec:
-        """Global and sliding layers: one budget split between the groups' pools by need.
-        A sequence of max_model_len tokens needs all its blocks in the global group but only
-        those its window and one step reach in a sliding one (BlockManager.max_blocks_held),
-        so the budget buys whole such sequences, each group getting its share of blocks
-        (plus the sliding groups' null blocks). Shorter sequences are then bounded by the
-        sliding pools, which hold fewer blocks than a single shared pool would. Budget left
-        once max_num_seqs such sequences fit goes to the sliding pools (up to as many blocks
-        as the global one), where it keeps released blocks cached for prefix hits."""
+        """Global and sliding layers: one budget split between the groups' pools by need
+        (kv_cache.split_kv_budget). A sequence of max_model_len tokens needs all its blocks in
+        the global group but only those its window and one step reach in a sliding one
+        (BlockManager.max_blocks_held). Shorter sequences are then bounded by the sliding
+        pools, which hold fewer blocks than one pool for every layer would."""
         sched = self.scheduler_config
         full = -(-sched.max_model_len // self.block_size)
         step = sched.max_num_batched_tokens
