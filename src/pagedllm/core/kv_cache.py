@@ -27,14 +27,13 @@ class KVCacheSpec:
     # Models mixing global and sliding-window layers: one entry per further group, its
     # layers' own block pool (see KVCacheGroup); empty for every other model.
     extra_groups: tuple[KVCacheGroup, ...] = ()
+    group0_window: int | None = None  # group 0's window_left (None: global layers)
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:
         """Every group, group 0 first, with its block count and window."""
         first = KVCacheGroup(self.num_blocks, self.bytes_per_block, self.group0_window)
         return (first, *self.extra_groups)
-
-    group0_window: int | None = None  # group 0's window_left (None: global layers)
 
     @property
     def num_slots(self) -> int:
