@@ -8,10 +8,11 @@ one request of 8064 prompt tokens + 128 generated (8192 tokens): the most KV byt
 at once (during chunked prefill, whose 2048-token chunks reach a window back) and at its last
 decode step; how many such requests a 32 GiB KV budget holds at either figure.
 
-Mistral-style: every layer windowed, so the build releases blocks. Gemma-3-style (5 of 6
-layers local): the global layers read every block through the same block table, so the build
-releases nothing; the "per-group" row is what separate block tables for the local layers
-would hold (computed from the same one-request simulations, not built).
+Mistral-style: every layer windowed, so one block manager releases blocks. Gemma-3-style
+(5 of 6 layers local): one block pool per KV cache group (GroupedBlockManager), the global
+layers' blocks all kept, the local layers' released past their window; "fit" there is what
+the pools that split_kv_budget sizes for this budget hold (the smaller of the two groups'
+counts).
 
     PYTHONPATH=src python3 benchmarks/sliding_window_memory.py
 """
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_cache import KVCacheGroup, split_kv_budget
+from pagedllm.core.kv_groups import GroupedBlockManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
@@ -63,14 +66,16 @@ MODELS = [
 ]
 
 
+CONFIG = SchedulerConfig(
+    max_num_seqs=256,
+    max_num_batched_tokens=CHUNK,
+    max_model_len=PROMPT + OUTPUT,
+    enable_chunked_prefill=True,
+)
+
+
 def scheduler(num_blocks: int, window_left: int | None) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=256,
-        max_num_batched_tokens=CHUNK,
-        max_model_len=PROMPT + OUTPUT,
-        enable_chunked_prefill=True,
-    )
-    return Scheduler(config, BlockManager(num_blocks, BLOCK, False, window_left=window_left))
+    return Scheduler(CONFIG, BlockManager(num_blocks, BLOCK, False, window_left=window_left))
 
 
 def request(seq_id: int) -> Sequence:
@@ -95,10 +100,46 @@ def one_request(window_left: int | None) -> tuple[int, int]:
     return most, last
 
 
-def row(name: str, label: str, peak: int, last: int) -> str:
+def grouped_request(model: Model) -> tuple[list[int], list[int], int]:
+    """One request through a global and a sliding group: (most blocks held per group, blocks
+    per group at its last step, most bytes held at once)."""
+    per_block = [model.bytes_per_block(model.layers - model.local_layers)]
+    per_block.append(model.bytes_per_block(model.local_layers))
+    groups = [
+        KVCacheGroup(1 << 20, per_block[0], None),
+        KVCacheGroup(1 << 20, per_block[1], model.window - 1),
+    ]
+    bm = GroupedBlockManager(groups, BLOCK, False)
+    sched = Scheduler(CONFIG, bm)
+    seq = request(0)
+    sched.add(seq)
+    most, last, peak = [0, 0], [0, 0], 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        last = [sum(b != g.null_block_id for b in g.table(seq)) for g in bm.groups]
+        most = [max(m, n) for m, n in zip(most, last)]
+        peak = max(peak, sum(n * b for n, b in zip(last, per_block)))
+        sched.update(out, {s.seq.seq_id: [5] for s in out.scheduled if s.samples})
+        sched.check_integrity()
+    assert bm.groups[0].num_released_blocks == 0 and bm.groups[1].num_released_blocks > 0
+    return most, last, peak
+
+
+def grouped_fit(model: Model, held: list[int]) -> int:
+    """Requests holding held blocks per group that the budget's grouped pools fit at once."""
+    full = -(-(PROMPT + OUTPUT) // BLOCK)
+    need = [full, min(full, -(-(model.window - 1 + CHUNK) // BLOCK) + 1)]
+    per_block = [model.bytes_per_block(model.layers - model.local_layers)]
+    per_block.append(model.bytes_per_block(model.local_layers))
+    counts = split_kv_budget(BUDGET, need, per_block, [False, True], CONFIG.max_num_seqs)
+    return min(counts[0] // held[0], (counts[1] - 1) // held[1])
+
+
+def row(name: str, label: str, peak: int, last: int, fits: tuple[int, int] | None = None) -> str:
+    fit_peak, fit_last = fits if fits is not None else (BUDGET // peak, BUDGET // last)
     return (
         f"| {name} | {label} | {peak / GiB:.3f} GiB | {last / GiB:.3f} GiB "
-        f"| {BUDGET // peak} | {BUDGET // last} |"
+        f"| {fit_peak} | {fit_last} |"
     )
 
 
@@ -112,22 +153,17 @@ def main() -> None:
     for model in MODELS:
         per_block = model.bytes_per_block(model.layers)
         full = one_request(None)
-        built = one_request(model.build_window_left)
         print(row(model.name, "every block (before)", full[0] * per_block, full[1] * per_block))
-        print(row(model.name, "this build", built[0] * per_block, built[1] * per_block))
-        if model.build_window_left is None:  # mixed: what per-group tables would hold
-            local = one_request(model.window - 1)
-            glob = model.bytes_per_block(model.layers - model.local_layers)
-            loc = model.bytes_per_block(model.local_layers)
-            label = "per-group tables (projected, not built)"
-            print(
-                row(
-                    model.name,
-                    label,
-                    full[0] * glob + local[0] * loc,
-                    full[1] * glob + local[1] * loc,
-                )
-            )
+        if model.build_window_left is not None:
+            built = one_request(model.build_window_left)
+            print(row(model.name, "this build", built[0] * per_block, built[1] * per_block))
+            continue
+        most, last, peak = grouped_request(model)  # mixed: a block pool per group
+        glob = model.bytes_per_block(model.layers - model.local_layers)
+        loc = model.bytes_per_block(model.local_layers)
+        fits = (grouped_fit(model, most), grouped_fit(model, last))
+        label = f"this build: per-group pools (global {most[0]}, local {most[1]} blocks at most)"
+        print(row(model.name, label, peak, last[0] * glob + last[1] * loc, fits))
 
 
 if __name__ == "__main__":

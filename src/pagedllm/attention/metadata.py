@@ -46,6 +46,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
     query_lens_cpu: list[int]  # host copies, for per-sequence loops without a sync
     seq_lens_cpu: list[int]
+    # KV cache groups 1.. (layers of another window, their own block pool): the same batch
+    # with their block tables and slot mappings; empty for single-group models.
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV cache group `group` attends with."""
+        return self if group == 0 else self.groups[group - 1]
 
     @staticmethod
     def paged(
@@ -85,7 +92,7 @@ class AttentionMetadata:
 
     def slice(self, s0: int, s1: int, t0: int, t1: int) -> AttentionMetadata:
         """Sequences [s0, s1), which own tokens [t0, t1) of the flat batch, rebased to 0."""
-        return AttentionMetadata.paged(
+        sliced = AttentionMetadata.paged(
             query_start_loc=self.batch.cu_seqlens_q[s0 : s1 + 1] - t0,
             seq_lens=self.batch.seq_lens_k[s0:s1],
             block_tables=self.block_table[s0:s1],
@@ -93,6 +100,8 @@ class AttentionMetadata:
             query_lens_cpu=self.query_lens_cpu[s0:s1],
             seq_lens_cpu=self.seq_lens_cpu[s0:s1],
         )
+        sliced.groups = tuple(g.slice(s0, s1, t0, t1) for g in self.groups)
+        return sliced
 
     def map_tensors(self, fn: Callable[[Any], Any]) -> AttentionMetadata:
         """The same metadata with fn applied to every tensor (moving it between devices)."""
@@ -105,7 +114,10 @@ class AttentionMetadata:
                 and not isinstance(getattr(self.batch, f.name), int)
             },
         )
-        return dataclasses.replace(self, batch=batch, slot_mapping=fn(self.slot_mapping))
+        groups = tuple(g.map_tensors(fn) for g in self.groups)
+        return dataclasses.replace(
+            self, batch=batch, slot_mapping=fn(self.slot_mapping), groups=groups
+        )
 
 
 # The metadata of the forward pass in flight: one of the two pieces of global state. A

@@ -93,16 +93,20 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         window_left: int | None = None,
+        group: int = 0,
     ) -> None:
         """window_left: keys every layer's queries look back at most (flash-attn's
         window_size[0]), or None when some layer sees the whole sequence; with it set,
-        block 0 is the null block and blocks outside the window are released."""
+        block 0 is the null block and blocks outside the window are released. group: the
+        KV cache group whose block table of each sequence this manager owns (0:
+        ``seq.block_table``, g > 0: ``seq.group_block_tables[g - 1]``)."""
         if window_left is not None and window_left < 0:
             raise ValueError(f"window_left must be >= 0 or None, got {window_left}.")
         reserved = 1 if window_left is not None else 0
         if num_blocks - reserved <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks - reserved}.")
         self.block_size = block_size
+        self.group = group
         self.enable_prefix_caching = enable_prefix_caching
         self.window_left = window_left
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -117,6 +121,22 @@ class BlockManager:
         self.events: KVEventLog | None = None  # set to record KV-cache events
 
     # ---- queries -------------------------------------------------------------------------
+    def table(self, seq: Sequence) -> list[int]:
+        """seq's block table in this manager's group."""
+        if self.group == 0:
+            return seq.block_table
+        tables = seq.group_block_tables
+        while len(tables) < self.group:
+            tables.append([])
+        return tables[self.group - 1]
+
+    def _set_table(self, seq: Sequence, table: list[int]) -> None:
+        if self.group == 0:
+            seq.block_table = table
+        else:
+            self.table(seq)
+            seq.group_block_tables[self.group - 1] = table
+
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
@@ -139,6 +159,10 @@ class BlockManager:
             return full
         return min(full, self.blocks_needed(self.window_left + max_step_tokens) + 1)
 
+    def can_ever_hold(self, num_tokens: int, max_step_tokens: int) -> bool:
+        """Whether one sequence of up to num_tokens computed tokens fits the pool alone."""
+        return self.max_blocks_held(num_tokens, max_step_tokens) <= self.num_blocks
+
     def first_live_block(self, num_computed_tokens: int) -> int:
         """Index of the first block a sequence still needs once num_computed_tokens are
         computed: the next query (at position num_computed_tokens) sees keys from
@@ -156,16 +180,18 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
-    def find_cached_blocks(self, seq: Sequence) -> list[Block]:
+    def find_cached_blocks(self, seq: Sequence, limit: int | None = None) -> list[Block]:
         """The longest cached prefix of seq, leaving >= 1 token to compute, as the blocks to
         put in its block table. Without a window every block of the prefix must be cached;
         with one only those the window reaches from the prefix's end, and the entries before
-        them are the null block."""
+        them are the null block. limit: at most this many blocks (a hit every group has)."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(seq)
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # the last token must be computed for logits
+        if limit is not None:
+            max_blocks = min(max_blocks, limit)
         found: list[Block | None] = []
         for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
             block = self.hash_to_block.get(block_hash)
@@ -203,10 +229,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self.update_block_hashes(seq)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        table = self.table(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         stored: list[int] = []  # indexes of the blocks cached by this call, for events
         for i in range(num_full):
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[table[i]]
             if block.block_hash is not None or block.block_id == self.null_block_id:
                 continue
             block_hash = seq.block_hashes[i]
@@ -223,7 +250,7 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[Block] = ()) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        new = max(0, needed - len(seq.block_table) - len(cached))
+        new = max(0, needed - len(self.table(seq)) - len(cached))
         # Cached blocks that are free now stop counting as free once they are taken.
         reclaimed = sum(1 for b in cached if b.ref_cnt == 0 and b.block_id != self.null_block_id)
         return new + reclaimed <= self.num_free_blocks
@@ -235,23 +262,24 @@ class BlockManager:
         """
         if not self.can_allocate(seq, num_new_tokens, cached):
             return False
+        table = self.table(seq)
         for block in cached:
             if block.block_id != self.null_block_id:
                 self._touch(block)
-            seq.block_table.append(block.block_id)
+            table.append(block.block_id)
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < needed:
+        while len(table) < needed:
             block = self._pop_free()
             block.ref_cnt = 1
-            seq.block_table.append(block.block_id)
+            table.append(block.block_id)
         return True
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first, so tails are evicted before shared heads."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(self.table(seq)):
             if block_id != self.null_block_id:
                 self._release(self.blocks[block_id])
-        seq.block_table = []
+        self._set_table(seq, [])
 
     def release_outside_window(self, seq: Sequence) -> int:
         """Release seq's blocks that lie wholly before the oldest key any of its future
@@ -260,7 +288,7 @@ class BlockManager:
         still follow positions. Returns how many were released."""
         if self.null_block_id is None:
             return 0
-        table = seq.block_table
+        table = self.table(seq)
         # Entries before an earlier release are null already: walk back to the first one.
         start = end = min(self.first_live_block(seq.num_computed_tokens), len(table))
         while start > 0 and table[start - 1] != self.null_block_id:
@@ -282,8 +310,9 @@ class BlockManager:
         rejected speculative tokens. Such blocks never held computed tokens only, so they carry
         no hash and the prefix cache never sees their contents."""
         keep = self.blocks_needed(num_tokens)
-        while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
+        table = self.table(seq)
+        while len(table) > keep:
+            block = self.blocks[table.pop()]
             assert block.block_hash is None, f"trimmed block {block.block_id} is cached"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -334,7 +363,7 @@ class BlockManager:
             refs = [0] * len(self.blocks)
             for seq in live:
                 self._check_window(seq)
-                for block_id in seq.block_table:
+                for block_id in self.table(seq):
                     refs[block_id] += 1
             for block in self.blocks:
                 if block.block_id == self.null_block_id:
@@ -350,10 +379,10 @@ class BlockManager:
         if self.null_block_id is None:
             return
         first = self.first_live_block(seq.num_computed_tokens)
-        for i, block_id in enumerate(seq.block_table):
+        for i, block_id in enumerate(self.table(seq)):
             is_null = block_id == self.null_block_id
             assert is_null == (i < first), (
-                f"sequence {seq.seq_id}: block-table entry {i} is "
+                f"sequence {seq.seq_id}, KV group {self.group}: block-table entry {i} is "
                 f"{'the null block' if is_null else f'block {block_id}'}, but the window's "
                 f"first live block is {first} ({seq.num_computed_tokens} tokens computed)"
             )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_groups import GroupedBlockManager
 from pagedllm.core.sequence import Sequence, SequenceStatus
 from pagedllm.core.stats import SchedulerStats
 
@@ -58,7 +59,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager | GroupedBlockManager
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -85,7 +88,7 @@ class Scheduler:
         step = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill:  # the prompt at once, then a token a step
             step = max(seq.num_tokens, 1 + self.config.num_lookahead_slots)
-        if bm.max_blocks_held(longest - 1, step) > bm.num_blocks:
+        if not bm.can_ever_hold(longest - 1, step):
             raise ValueError(
                 f"a request of {seq.num_tokens} prompt tokens that may grow to {longest} tokens "
                 f"can never fit the KV cache ({capacity} token slots); lower max_tokens, "

@@ -68,6 +68,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1: not looked up)
     block_table: list[int] = field(default_factory=list)
+    # Models with several KV cache groups (global and sliding-window layers): the block
+    # tables of groups 1.., indexed like block_table; empty for single-group models.
+    group_block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
     stop_reason: int | str | None = None
     num_preemptions: int = 0

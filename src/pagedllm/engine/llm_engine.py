@@ -17,6 +17,7 @@ from typing import Any
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_cache import shared_window_left
+from pagedllm.core.kv_groups import GroupedBlockManager
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import SequenceStatus
@@ -55,12 +56,17 @@ class LLMEngine:
         self.executor = create_executor(config)
         self._in_flight: deque[tuple[SchedulerOutput, object, IterationStats]] = deque()
         self.kv_cache = self.executor.initialize_cache()  # the one record of the cache's layout
-        self.block_manager = BlockManager(
-            self.kv_cache.num_blocks,
-            self.kv_cache.block_size,
-            config.cache.enable_prefix_caching,
-            window_left=_releasable_window(config),
-        )
+        if self.kv_cache.extra_groups:  # global and sliding layers: a block pool each
+            self.block_manager: BlockManager | GroupedBlockManager = GroupedBlockManager(
+                self.kv_cache.groups, self.kv_cache.block_size, config.cache.enable_prefix_caching
+            )
+        else:
+            self.block_manager = BlockManager(
+                self.kv_cache.num_blocks,
+                self.kv_cache.block_size,
+                config.cache.enable_prefix_caching,
+                window_left=_releasable_window(config),
+            )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.stat_loggers: list[StatLogger] = []
         self.kv_event_publisher = None

@@ -17,6 +17,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.window_left = window_left  # flash-attn convention: -1 = unlimited
+        self.kv_group = 0  # the KV cache group whose blocks hold this layer's K/V
         # Bound by the model runner once the cache exists.
         self.backend: AttentionBackend | None = None
         self.key_cache = torch.empty(0)
@@ -32,7 +33,7 @@ class Attention(nn.Module):
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.key_cache,
             self.value_cache,
-            ForwardContext.get(),
+            ForwardContext.get().for_group(self.kv_group),
             self.scale,
             self.window_left,
         )

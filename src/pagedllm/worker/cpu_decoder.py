@@ -100,10 +100,18 @@ def _add_layer(operands: DecoderOperands, layer: nn.Module, dtype: torch.dtype) 
 
 
 class CpuFusedDecoder:
-    """The decoder layers of one model (one partition tier's), packed for the C++ op."""
+    """The decoder layers of one model (one partition tier's), packed for the C++ op.
 
-    def __init__(self, operands: DecoderOperands) -> None:
-        self.operands = operands
+    One C++ call per run of consecutive layers of the same KV cache group (each group has
+    its own block tables and slot mapping): a single call for single-group models."""
+
+    def __init__(self, segments: list[tuple[DecoderOperands, int]]) -> None:
+        self.segments = segments  # (operands, kv_group) in layer order
+
+    @property
+    def operands(self) -> DecoderOperands:
+        """The first segment's operands (every layer's, for a single-group model)."""
+        return self.segments[0][0]
 
     @classmethod
     def build(cls, layers: nn.ModuleList, dtype: torch.dtype) -> CpuFusedDecoder | None:
@@ -111,15 +119,18 @@ class CpuFusedDecoder:
         a layer cannot run here. Another tier's pass-through layers are skipped."""
         if dtype not in cpu_fused.DTYPES or not cpu_fused.load():
             return None
-        operands = DecoderOperands()
+        segments: list[tuple[DecoderOperands, int]] = []
         for layer in layers:
             if isinstance(layer, PassThroughLayer):
                 continue
+            group = layer.self_attn.attn.kv_group
+            if not segments or segments[-1][1] != group:
+                segments.append((DecoderOperands(), group))
             try:
-                _add_layer(operands, layer, dtype)
+                _add_layer(segments[-1][0], layer, dtype)
             except _Unfusable:
                 return None
-        return cls(operands) if operands.tensors else None
+        return cls(segments) if segments else None
 
     @staticmethod
     def why_not(layers: nn.ModuleList, dtype: torch.dtype) -> str:
@@ -146,19 +157,23 @@ class CpuFusedDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, as the layers' own forward would return
         them (the final norm is the caller's); residual None: the first layer starts it."""
-        batch, ops = metadata.batch, self.operands
-        return torch.ops.pagedllm_fused.decoder_layers(
-            hidden,
-            residual,
-            positions.contiguous(),
-            ops.tensors,
-            ops.ints,
-            ops.floats,
-            metadata.slot_mapping,
-            batch.cu_seqlens_q.contiguous(),
-            batch.seq_lens_k.contiguous(),
-            metadata.block_table,
-        )
+        positions = positions.contiguous()
+        for ops, group in self.segments:
+            md = metadata.for_group(group)
+            hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
+                hidden,
+                residual,
+                positions,
+                ops.tensors,
+                ops.ints,
+                ops.floats,
+                md.slot_mapping,
+                md.batch.cu_seqlens_q.contiguous(),
+                md.batch.seq_lens_k.contiguous(),
+                md.block_table,
+            )
+        assert residual is not None
+        return hidden, residual
 
 
 def run_fused(

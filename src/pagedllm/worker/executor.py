@@ -103,8 +103,8 @@ class UniProcExecutor(Executor):
         self.runner = ModelRunner.from_engine_config(config)
 
     def initialize_cache(self) -> KVCacheSpec:
-        spec = self.runner.plan_kv_cache()
-        self.runner.allocate_kv_cache(spec.num_blocks)
+        spec = self.runner.plan_kv_cache(grouped=True)
+        self.runner.allocate_kv_cache(spec.num_blocks, [g.num_blocks for g in spec.extra_groups])
         return spec
 
     def execute_model(self, out: SchedulerOutput) -> ModelOutput:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import mmap
 import os
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +24,7 @@ from pagedllm.config import (
     SchedulerConfig,
     default_kv_cache_bytes,
 )
-from pagedllm.core.kv_cache import KVCacheSpec
+from pagedllm.core.kv_cache import KVCacheGroup, KVCacheSpec, split_kv_budget
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
@@ -36,6 +38,20 @@ from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_
 from pagedllm.worker.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+
+
+def _slots(table: list[int], pos: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slots of the tokens at positions pos, through one block table."""
+    blocks = np.asarray(table, dtype=np.int64)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def _padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """[num_seqs, longest] int32, padded with block 0."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
 
 
 @dataclass
@@ -127,12 +143,30 @@ class ModelRunner:
         return 0 if self.kv_spec is None else self.kv_spec.num_blocks
 
     # ---- KV cache ------------------------------------------------------------------------
-    def _bytes_per_block(self) -> int:
+    def kv_cache_groups(self) -> list[list[int]]:
+        """The attention layers' indexes per KV cache group: one group unless the model
+        mixes windows (Gemma 3: global and sliding layers), then the global layers first
+        and each window's layers after, widest first. Each group has its own block pool."""
+        windows = [attn.window_left for attn in self.model.attention_layers()]
+        order = sorted(set(windows), key=lambda w: (w >= 0, -w))
+        return [[i for i, w in enumerate(windows) if w == key] for key in order]
+
+    def _group_windows(self) -> list[int | None]:
+        attn = self.model.attention_layers()
+        return [
+            None if attn[g[0]].window_left < 0 else attn[g[0]].window_left
+            for g in self.kv_cache_groups()
+        ]
+
+    def _bytes_per_block(self, group: int | None = None) -> int:
+        """K and V bytes of one block of a group's layers, or of every layer (group None, a
+        single pool); the draft's with the first group."""
         layers = self.model.attention_layers()
         attn = layers[0]
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = len(layers) * attn.num_kv_heads * attn.head_dim
-        if self.speculator is not None and self.speculator.draft is not None:
+        num_layers = len(layers) if group is None else len(self.kv_cache_groups()[group])
+        per_token = num_layers * attn.num_kv_heads * attn.head_dim
+        if not group and self.speculator is not None and self.speculator.draft is not None:
             draft_layers, heads, dim = self.speculator.draft.kv_cache_shape()
             per_token += draft_layers * heads * dim  # the draft's cache shares the block ids
         return 2 * self.block_size * per_token * elem
@@ -151,11 +185,13 @@ class ModelRunner:
         """gpu_memory_utilization x total, less weights and the peak of a full-size forward."""
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = self.scheduler_config.max_num_batched_tokens
-        self.allocate_kv_cache(-(-num_tokens // self.block_size))
-        blocks = self.num_blocks
+        extra = len(self.kv_cache_groups()) - 1
+        blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(blocks, [blocks] * extra)
         params = SamplingParams(temperature=0.0, max_tokens=1)
         seq = Sequence(-1, "profile", 0, [0] * num_tokens, params, None)
         seq.block_table = list(range(blocks))
+        seq.group_block_tables = [list(range(blocks)) for _ in range(extra)]
         self.execute(SchedulerOutput([ScheduledSequence(seq, num_tokens)], num_tokens))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -164,7 +200,11 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.cache_config.gpu_memory_utilization) - peak
 
-    def plan_kv_cache(self) -> KVCacheSpec:
+    def plan_kv_cache(self, grouped: bool = False) -> KVCacheSpec:
+        """The cache the budget buys: with grouped, a block pool per KV cache group for
+        models that mix windows (the engine's executors); else one pool for every layer."""
+        if grouped and len(self.kv_cache_groups()) > 1:
+            return self._plan_grouped_kv_cache()
         per_block = self._bytes_per_block()
         num_blocks = self.kv_cache_budget() // per_block
         sched = self.scheduler_config
@@ -177,19 +217,72 @@ class ModelRunner:
             )
         return KVCacheSpec(num_blocks, self.block_size, per_block)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def _plan_grouped_kv_cache(self) -> KVCacheSpec:
+        """Global and sliding layers: one budget split between the groups' pools by need
+        (kv_cache.split_kv_budget). A sequence of max_model_len tokens needs all its blocks in
+        the global group but only those its window and one step reach in a sliding one
+        (BlockManager.max_blocks_held). Shorter sequences are then bounded by the sliding
+        pools, which hold fewer blocks than one pool for every layer would."""
+        sched = self.scheduler_config
+        full = -(-sched.max_model_len // self.block_size)
+        step = sched.max_num_batched_tokens
+        windows = self._group_windows()
+        need = [
+            full if w is None else min(full, -(-(w + step) // self.block_size) + 1) for w in windows
+        ]
+        per_block = [self._bytes_per_block(g) for g in range(len(windows))]
+        windowed = [w is not None for w in windows]
+        counts = split_kv_budget(
+            self.kv_cache_budget(), need, per_block, windowed, sched.max_num_seqs
+        )
+        if min(c - w for c, w in zip(counts, windowed)) < 1:
+            raise ValueError(
+                "no memory left for the KV cache; raise kv_cache_memory_bytes "
+                "or gpu_memory_utilization."
+            )
+        return self._grouped_spec(counts)
+
+    def _grouped_spec(self, counts: list[int]) -> KVCacheSpec:
+        windows = self._group_windows()
+        extra = tuple(
+            KVCacheGroup(counts[g], self._bytes_per_block(g), windows[g])
+            for g in range(1, len(counts))
+        )
+        return KVCacheSpec(counts[0], self.block_size, self._bytes_per_block(0), extra, windows[0])
+
+    def allocate_kv_cache(self, num_blocks: int, extra_blocks: Seq[int] = ()) -> None:
+        """num_blocks for group 0 and extra_blocks for each further KV cache group (models
+        mixing windows; kv_cache_groups). Every group's layers get caches of its count.
+        Without extra_blocks every layer shares one pool of num_blocks, as a model without
+        groups does."""
         self.kv_caches = []  # the old cache (if any) is freed before the new one is made
         attn = self.model.attention_layers()
-        shape = (num_blocks, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
+        groups = self.kv_cache_groups() if extra_blocks else [list(range(len(attn)))]
+        counts = [num_blocks, *extra_blocks]
+        if len(counts) != len(groups):
+            raise ValueError(f"{len(groups)} KV cache groups, got block counts for {len(counts)}")
+        per_block = self.block_size * attn[0].num_kv_heads * attn[0].head_dim
         # Zeroed: padded key slots are masked, but 0 * NaN garbage would still poison P @ V.
-        flat = self._zeroed(2 * len(attn) * math.prod(shape))
-        views = flat.view(len(attn), 2, *shape)
-        self.kv_caches = [(views[i, 0], views[i, 1]) for i in range(len(attn))]
+        flat = self._zeroed(2 * per_block * sum(len(g) * c for g, c in zip(groups, counts)))
+        caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        offset = 0
+        for index, (layers, count) in enumerate(zip(groups, counts)):
+            shape = (count, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
+            size = 2 * len(layers) * math.prod(shape)
+            views = flat[offset : offset + size].view(len(layers), 2, *shape)
+            offset += size
+            for j, layer_idx in enumerate(layers):
+                caches[layer_idx] = (views[j, 0], views[j, 1])
+                attn[layer_idx].kv_group = index
+        self.kv_caches = [caches[i] for i in range(len(attn))]
         for layer, (k, v) in zip(attn, self.kv_caches):
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
         if self.speculator is not None and self.speculator.draft is not None:
             self._allocate_draft_kv_cache(num_blocks)
-        self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
+        if len(groups) == 1:
+            self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
+        else:
+            self.kv_spec = self._grouped_spec(counts)
         self.rebuild_fast_path()
 
     # ---- how a step runs -----------------------------------------------------------------
@@ -253,9 +346,8 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n - len(drafts)])
             ids.extend(drafts)
             pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(_slots(seq.block_table, pos, bs))
             first = len(ids) - n
             if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 count = min(n, seq.num_prompt_tokens - start)
@@ -272,10 +364,7 @@ class ModelRunner:
                 sample_seqs.append(seq)
             query_lens.append(n)
             seq_lens.append(start + n)
-        width = max(len(item.seq.block_table) for item in out.scheduled)
-        tables = np.zeros((len(out.scheduled), width), dtype=np.int32)
-        for row, item in enumerate(out.scheduled):
-            tables[row, : len(item.seq.block_table)] = item.seq.block_table
+        tables = _padded_tables([item.seq.block_table for item in out.scheduled])
         dev = self.device
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
@@ -287,6 +376,8 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+        if self.kv_spec is not None and self.kv_spec.extra_groups:
+            metadata.groups = self._group_metadata(out, positions, metadata)
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -300,6 +391,29 @@ class ModelRunner:
             verify_drafts=verify_drafts,
             verify_rows=verify_rows,
         )
+
+    def _group_metadata(
+        self, out: SchedulerOutput, positions: list[np.ndarray], metadata: AttentionMetadata
+    ) -> tuple[AttentionMetadata, ...]:
+        """The step's metadata for KV cache groups 1..: the same batch over each group's
+        block tables (seq.group_block_tables)."""
+        assert self.kv_spec is not None
+        dev, bs = self.device, self.block_size
+        result = []
+        for g in range(len(self.kv_spec.extra_groups)):
+            group_tables = [item.seq.group_block_tables[g] for item in out.scheduled]
+            slots = [_slots(t, pos, bs) for t, pos in zip(group_tables, positions)]
+            result.append(
+                dataclasses.replace(
+                    metadata,
+                    batch=dataclasses.replace(
+                        metadata.batch,
+                        block_table=torch.from_numpy(_padded_tables(group_tables)).to(dev),
+                    ),
+                    slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+                )
+            )
+        return tuple(result)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:

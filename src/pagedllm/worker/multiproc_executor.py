@@ -140,11 +140,15 @@ def run_forward(
 
 def _agree_num_blocks(runner: ModelRunner, comm: OverlapCommunicator) -> KVCacheSpec:
     """Every rank sizes its own cache; all use the smallest count so block ids mean the same."""
-    spec = runner.plan_kv_cache()
-    count = torch.tensor([spec.num_blocks], dtype=torch.int64, device=runner.device)
+    spec = runner.plan_kv_cache(grouped=True)
+    counts = [g.num_blocks for g in spec.groups]  # one per KV cache group
+    count = torch.tensor(counts, dtype=torch.int64, device=runner.device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN, group=comm.group)
-    spec = dataclasses.replace(spec, num_blocks=int(count.item()))
-    runner.allocate_kv_cache(spec.num_blocks)
+    agreed = [int(c) for c in count.tolist()]
+    extra = zip(spec.extra_groups, agreed[1:])
+    groups = tuple(dataclasses.replace(g, num_blocks=c) for g, c in extra)
+    spec = dataclasses.replace(spec, num_blocks=agreed[0], extra_groups=groups)
+    runner.allocate_kv_cache(spec.num_blocks, agreed[1:])
     return spec
 
 
