@@ -81,8 +81,11 @@ def _calibration_attention(model: nn.Module) -> Iterator[None]:
     try:
         for m in layers:
             m.backend = backend  # type: ignore[assignment]
-        # The stand-in backend reads no metadata; the context only has to exist.
-        with ForwardContext(SimpleNamespace()):  # type: ignore[arg-type]
+        # The stand-in backend reads no metadata; the context only has to exist (every KV
+        # cache group's metadata is that one stand-in).
+        metadata = SimpleNamespace()
+        metadata.for_group = lambda group: metadata
+        with ForwardContext(metadata):  # type: ignore[arg-type]
             yield
     finally:
         for m, b in zip(layers, saved):
