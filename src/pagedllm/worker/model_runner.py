@@ -18,6 +18,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     default_kv_cache_bytes,
@@ -27,6 +28,7 @@ from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.dtypes import torch_dtype
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
@@ -75,6 +77,7 @@ class ModelRunner:
         device_config: DeviceConfig,
         comm: Communicator = SINGLE,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -89,6 +92,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_config, self.device, comm, self.kernels.cpu_fused_ops)
         self.load_seconds = time.perf_counter() - start
+        self.lora: LoRAManager | None = None  # adapters beside the base weights (lora/)
+        if lora_config is not None:
+            self.lora = LoRAManager(self.model, lora_config.max_loras, lora_config.max_lora_rank)
         self.backend = get_attention_backend(
             device_config.attention_backend, self.device, self.kernels.attention_tiles
         )
@@ -112,8 +118,9 @@ class ModelRunner:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
         return cls(
-            config.model, config.cache, config.scheduler, config.device, comm, config.speculative
-        )
+            config.model, config.cache, config.scheduler, config.device, comm, config.speculative,
+            config.lora,
+        )  # fmt: skip
 
     @property
     def block_size(self) -> int:
@@ -200,6 +207,8 @@ class ModelRunner:
         eagerly for now."""
         self.fast_path = self.draft_fast_path = None
         if self.enforce_eager or not self.kv_caches or self.device.type != "cpu":
+            return
+        if self.lora is not None:  # the fused decoder has no LoRA product
             return
         if not self.kernels.cpu_fused_decoder:
             return
@@ -303,6 +312,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.release(out.finished_seq_ids)
         inp = self.prepare_input(out)
+        if self.lora is not None:
+            self.lora.prepare(
+                [item.seq.lora_request for item in out.scheduled],
+                inp.metadata.query_lens_cpu,
+                self.device,
+            )
         hidden = self.forward(inp)
         if self.pooler is not None:
             self.pooler.observe(out, hidden)
