@@ -109,6 +109,7 @@ class SchedulerConfig:
     max_model_len: int  # the one copy: the scheduler stops sequences here, the engine checks
     enable_chunked_prefill: bool
     num_lookahead_slots: int = 0  # KV slots past a step's tokens (a draft model's decodes)
+    max_loras: int = 0  # most LoRA adapters among the running sequences (0: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -447,6 +448,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 num_lookahead_slots=lookahead,
+                max_loras=self.max_loras if self.enable_lora else 0,
             ),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,

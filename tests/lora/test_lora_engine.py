@@ -4,9 +4,9 @@ token against transformers + peft, with the prefix cache kept apart per adapter.
 from __future__ import annotations
 
 import pytest
-
 from helpers.generation import greedy_params, random_prompts
 from helpers.lora import ALL, ATTN, build_adapter, peft_greedy
+
 from pagedllm import LLM
 from pagedllm.lora.request import LoRARequest
 
@@ -82,11 +82,13 @@ def test_more_adapters_than_slots_evicts_and_stays_correct(tiny_llama, adapters)
     a, b, c = adapters
     prompts = random_prompts(3, 10, 20, seed=11)
     reqs = [LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b)), LoRARequest("c", 3, str(c))]
-    llm = _llm(tiny_llama, max_num_seqs=2)  # at most two sequences (so two adapters) a step
+    llm = _llm(tiny_llama)  # two slots, three adapters: the third waits, then evicts one
     got = [o.outputs[0].token_ids for o in _run(llm, prompts, reqs)]
     want = [peft_greedy(tiny_llama, f, [p], MAX_TOKENS)[0] for f, p in zip((a, b, c), prompts)]
     assert got == want
-    assert llm.llm_engine.executor.local_runner.lora.num_loads == 3
+    manager = llm.llm_engine.executor.local_runner.lora
+    assert manager.num_loads == 3
+    assert max(manager.adapters_per_step) == 2  # the scheduler kept each step within the slots
 
 
 def test_bad_lora_requests_are_value_errors(tiny_llama, adapters, tmp_path):
