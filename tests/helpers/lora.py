@@ -56,3 +56,7 @@ def peft_greedy(
         )
         outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+def most_adapters_in_a_step(runner) -> int:  # noqa: ANN001 - runs on every rank (collective_rpc)
+    return max(runner.lora.adapters_per_step)

@@ -8,6 +8,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ class ModelInput:
     verify_seqs: list[Sequence] = field(default_factory=list)  # sequences verifying drafts
     verify_drafts: list[list[int]] = field(default_factory=list)  # their drafts
     verify_rows: list[int] = field(default_factory=list)  # len(drafts) + 1 logits rows each
+    lora_requests: list[Any] | None = None  # each sequence's LoRARequest (None: base; LoRA on)
 
 
 @dataclass
@@ -306,18 +308,18 @@ class ModelRunner:
             verify_seqs=verify_seqs,
             verify_drafts=verify_drafts,
             verify_rows=verify_rows,
+            lora_requests=self._lora_requests(out),
         )
+
+    def _lora_requests(self, out: SchedulerOutput) -> list[Any] | None:
+        if self.lora is None:
+            return None
+        return [item.seq.lora_request for item in out.scheduled]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.release(out.finished_seq_ids)
         inp = self.prepare_input(out)
-        if self.lora is not None:
-            self.lora.prepare(
-                [item.seq.lora_request for item in out.scheduled],
-                inp.metadata.query_lens_cpu,
-                self.device,
-            )
         hidden = self.forward(inp)
         if self.pooler is not None:
             self.pooler.observe(out, hidden)
@@ -336,6 +338,7 @@ class ModelRunner:
         first passes the previous tier's hidden_states in place of the embedding.
         layer_by_layer calls every module (so forward hooks, e.g. the partition profiler's
         timers, see each layer) instead of the fast path."""
+        self.prepare_lora(inp)
         with ForwardContext(inp.metadata):
             if self.fast_path is not None and not layer_by_layer:
                 return run_fused(
@@ -345,6 +348,12 @@ class ModelRunner:
             if hidden_states is None:
                 return self.model(inp.input_ids, inp.positions)
             return self.model(inp.input_ids, inp.positions, hidden_states)
+
+    def prepare_lora(self, inp: ModelInput) -> None:
+        """Point the LoRA layers at this step's rows per adapter (loading adapters as needed)."""
+        if self.lora is not None:
+            requests = inp.lora_requests or [None] * len(inp.metadata.query_lens_cpu)
+            self.lora.prepare(requests, inp.metadata.query_lens_cpu, self.device)
 
     @torch.inference_mode()
     def compute_output(self, inp: ModelInput, hidden: torch.Tensor) -> ModelOutput:
