@@ -9,7 +9,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import Field
 
 from pagedllm.entrypoints.openai.openapi import ERRORS, MODEL_RESPONSES
 from pagedllm.entrypoints.openai.protocol import ModelCard, OpenAIRequest
@@ -19,13 +20,16 @@ from pagedllm.lora.request import LoRARequest
 
 
 class LoadLoRAAdapterRequest(OpenAIRequest):
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)  # a PEFT folder on the server's file system
 
 
 class UnloadLoRAAdapterRequest(OpenAIRequest):
-    lora_name: str
-    lora_int_id: int | None = None
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # accepted as vLLM does; the name decides
+
+
+_SUCCESS = {200: {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 class LoRARegistry:
@@ -76,13 +80,20 @@ def parse_lora_modules(modules: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def add_lora_routes(app: FastAPI, registry: LoRARegistry) -> None:
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    """The load/unload routes, on a server started with --enable-lora only (as vLLM, which
+    offers them only where adapters can change)."""
+    if registry.config is None:
+        return
+
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses={**_SUCCESS, **ERRORS})
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
         registry.add(req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post(
-        "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=MODEL_RESPONSES
+        "/v1/unload_lora_adapter",
+        response_class=Response,
+        responses={**_SUCCESS, **MODEL_RESPONSES},
     )
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         registry.remove(req.lora_name)
