@@ -56,6 +56,11 @@ def test_serve_adapters_by_model_name(tiny_llama, tmp_path):
         with ThreadPoolExecutor(3) as pool:  # the three in flight at once
             assert list(pool.map(complete, range(3))) == want
 
+        chunks = client.completions.create(
+            model="a", prompt=prompts[1], max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want[1]
+
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model="nope", prompt=[5, 6], max_tokens=2)
         assert e.value.code == "model_not_found"
