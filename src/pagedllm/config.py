@@ -114,6 +114,7 @@ class SchedulerConfig:
     max_model_len: int  # the one copy: the scheduler stops sequences here, the engine checks
     enable_chunked_prefill: bool
     num_lookahead_slots: int = 0  # KV slots past a step's tokens (a draft model's decodes)
+    max_loras: int = 0  # most LoRA adapters among the running sequences (0: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,14 @@ def _merge_deprecated_partition_fields(args: EngineArgs) -> dict[str, Any] | Non
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (enable_lora): adapters resident at once and the largest rank they take."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -238,6 +247,7 @@ class EngineConfig:
     partition: PartitionConfig | None = None  # None: the whole model in this process
     speculative: SpeculativeConfig | None = None  # None: one token per step and sequence
     kv_events: KVEventsConfig | None = None  # None: no KV-cache events published
+    lora: LoRAConfig | None = None  # None: no adapters (enable_lora off)
 
 
 def default_model_path() -> str:
@@ -387,6 +397,9 @@ class EngineArgs:
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\'',
     )
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT format) beside the base model")
+    max_loras: int = _arg(1, "LoRA adapters resident at once (and in one batch)")
+    max_lora_rank: int = _arg(16, "largest LoRA rank an adapter may have")
     generation_config: str = _arg(
         "auto",
         "default sampling parameters: auto (the model folder's generation_config.json), "
@@ -449,6 +462,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 num_lookahead_slots=lookahead,
+                max_loras=self.max_loras if self.enable_lora else 0,
             ),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,
@@ -472,6 +486,7 @@ class EngineArgs:
             partition=parse_partition_config(self.partition_config),
             speculative=speculative,
             kv_events=parse_kv_events_config(self.kv_events_config),
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
         )
 
     def _speculative_config(self, hf_config: Any) -> SpeculativeConfig | None:
@@ -506,6 +521,7 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         self._verify_parallel()
+        self._verify_lora()
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -521,6 +537,16 @@ class EngineArgs:
         self.requested_quant_config()  # validates the quant_* options
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+
+    def _verify_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.enable_lora and self.partition_config is not None:
+            raise ValueError("enable_lora is not supported with an edge/cloud partition.")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora is not supported with speculative_config.")
 
     def _verify_parallel(self) -> None:
         if self.tensor_parallel_size % self.nnodes:

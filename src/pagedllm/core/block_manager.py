@@ -176,8 +176,10 @@ class BlockManager:
         """Extend seq.block_hashes over every full block of its tokens."""
         bs = self.block_size
         hashes = seq.block_hashes
+        # An adapter's K/V differ from the base model's: its chain starts from its own root.
+        root = None if seq.lora_int_id == 0 else hash(("lora", seq.lora_int_id))
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
     def find_cached_blocks(self, seq: Sequence, limit: int | None = None) -> list[Block]:

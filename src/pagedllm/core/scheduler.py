@@ -211,7 +211,7 @@ class Scheduler:
             and len(out.scheduled) < limit
         ):
             seq = self.waiting[0]
-            if self._waits_for_leader(seq):
+            if self._waits_for_leader(seq) or self._lora_slots_full(seq):
                 skipped.append(self.waiting.popleft())
                 continue
             cached = bm.find_cached_blocks(seq) if self._may_use_cache(seq) else []
@@ -236,6 +236,15 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _lora_slots_full(self, seq: Sequence) -> bool:
+        """A sequence of an adapter not running yet waits while max_loras adapters run: every
+        step's adapters must fit the runner's slots."""
+        cap = self.config.max_loras
+        if not cap or seq.lora_int_id == 0:
+            return False
+        running = {s.lora_int_id for s in self.running} - {0}
+        return seq.lora_int_id not in running and len(running) >= cap
 
     def _may_use_cache(self, seq: Sequence) -> bool:
         # Prompt logprobs need logits at every prompt position, so nothing may be skipped.

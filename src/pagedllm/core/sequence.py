@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -75,11 +76,17 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    lora_request: Any = None  # the LoRARequest it runs with (None: the base model)
     timings: SequenceTimings = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, grown in place
         self.timings = SequenceTimings(arrival=self.arrival_time)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (keys the prefix cache)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

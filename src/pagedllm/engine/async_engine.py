@@ -198,6 +198,7 @@ class AsyncLLMEngine:
         prompt: PromptType,
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request; iterate ``stream.outputs()`` for its results.
 
@@ -205,7 +206,9 @@ class AsyncLLMEngine:
         """
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._abort_later)
         added = self.submit(
-            lambda engine: self._add(engine, stream, prompt, sampling_params, arrival_time)
+            lambda engine: self._add(
+                engine, stream, prompt, sampling_params, arrival_time, lora_request
+            )
         )
         try:
             await asyncio.wrap_future(added)
@@ -220,12 +223,15 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative outputs until it finishes.
 
         Leaving the iteration early (break, cancellation) aborts the request.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+        stream = await self.add_request(
+            request_id, prompt, sampling_params, arrival_time, lora_request
+        )
         async with contextlib.aclosing(stream.outputs()) as outputs:
             async for out in outputs:
                 yield out
@@ -248,6 +254,7 @@ class AsyncLLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None,
+        lora_request: Any = None,
     ) -> None:
         waiting = engine.scheduler_stats().num_waiting
         if waiting >= self.max_waiting_requests:
@@ -255,7 +262,7 @@ class AsyncLLMEngine:
                 f"the server is overloaded: {waiting} requests are already waiting "
                 f"(--max-waiting-requests {self.max_waiting_requests}); retry later."
             )
-        engine.add_request(stream.request_id, prompt, params, arrival_time)
+        engine.add_request(stream.request_id, prompt, params, arrival_time, lora_request)
         self._streams[stream.request_id] = stream
 
     def _abort_later(self, stream: RequestStream) -> None:

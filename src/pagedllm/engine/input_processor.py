@@ -12,6 +12,8 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.sequence import Sequence
 from pagedllm.engine.tokenizer import encode_text, stop_token_ids_from_generation_config
+from pagedllm.lora.adapter import read_adapter_config
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -56,6 +58,7 @@ class InputProcessor:
             overlap=config.device.device != "cpu",
         )
         self._seq_ids = itertools.count()
+        self._checked_loras: set[tuple[int, str]] = set()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -67,6 +70,7 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams | None,
         arrival_time: float | None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string.")
@@ -78,7 +82,10 @@ class InputProcessor:
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         arrival = arrival_time if arrival_time is not None else time.time()
+        self._check_lora(lora_request)
         seqs = self._make_sequences(request_id, prompt_ids, params, arrival)
+        for seq in seqs:
+            seq.lora_request = lora_request
         return ProcessedRequest(request_id, text, prompt_ids, params, seqs, grammar)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -105,6 +112,21 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if not t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+
+    def _check_lora(self, req: LoRARequest | None) -> None:
+        """An adapter the workers will be able to load: enabled, a LoRARequest, a readable
+        PEFT folder within max_lora_rank (read once per adapter id and path)."""
+        if req is None:
+            return
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True.")
+        if not isinstance(req, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(req).__name__}.")
+        key = (req.lora_int_id, req.lora_path)
+        if key not in self._checked_loras:
+            read_adapter_config(req.lora_path, lora.max_lora_rank)
+            self._checked_loras.add(key)
 
     def _compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled constraint of structured_outputs (None without one); ValueError."""

@@ -125,11 +125,13 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> None:
-        """Queue a request; raises ValueError (naming the field) on bad input."""
+        """Queue a request; raises ValueError (naming the field) on bad input. lora_request
+        (a LoRARequest) runs it with that adapter."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        req = self.input_processor.process(request_id, prompt, params, arrival_time)
+        req = self.input_processor.process(request_id, prompt, params, arrival_time, lora_request)
         if req.grammar is not None:
             self.structured.add(req.seqs, req.grammar)
         for seq in req.seqs:

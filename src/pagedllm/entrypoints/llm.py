@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -52,8 +53,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order."""
+        """Generate for every prompt; outputs come back in the prompts' order. lora_request:
+        one adapter for all prompts or one (or None: the base model) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -63,11 +66,17 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("sampling_params must be one SamplingParams or one per prompt.")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError("lora_request must be one LoRARequest or one per prompt.")
         ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
                 ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(ids)
@@ -80,6 +89,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted by the tokenizer's chat template."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -93,7 +103,7 @@ class LLM:
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

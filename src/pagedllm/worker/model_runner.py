@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     default_kv_cache_bytes,
@@ -29,6 +31,7 @@ from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.distributed.communicator import SINGLE, Communicator
 from pagedllm.dtypes import torch_dtype
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
@@ -67,6 +70,7 @@ class ModelInput:
     verify_seqs: list[Sequence] = field(default_factory=list)  # sequences verifying drafts
     verify_drafts: list[list[int]] = field(default_factory=list)  # their drafts
     verify_rows: list[int] = field(default_factory=list)  # len(drafts) + 1 logits rows each
+    lora_requests: list[Any] | None = None  # each sequence's LoRARequest (None: base; LoRA on)
 
 
 @dataclass
@@ -91,6 +95,7 @@ class ModelRunner:
         device_config: DeviceConfig,
         comm: Communicator = SINGLE,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -107,6 +112,9 @@ class ModelRunner:
         # an in-place change of its linears (quantization) rebuilds how steps run
         self.model.on_weights_changed = self.rebuild_fast_path
         self.load_seconds = time.perf_counter() - start
+        self.lora: LoRAManager | None = None  # adapters beside the base weights (lora/)
+        if lora_config is not None:
+            self.lora = LoRAManager(self.model, lora_config.max_loras, lora_config.max_lora_rank)
         self.backend = get_attention_backend(
             device_config.attention_backend, self.device, self.kernels.attention_tiles
         )
@@ -130,8 +138,9 @@ class ModelRunner:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
         return cls(
-            config.model, config.cache, config.scheduler, config.device, comm, config.speculative
-        )
+            config.model, config.cache, config.scheduler, config.device, comm, config.speculative,
+            config.lora,
+        )  # fmt: skip
 
     @property
     def block_size(self) -> int:
@@ -296,6 +305,8 @@ class ModelRunner:
         self.fast_path = self.draft_fast_path = None
         if self.enforce_eager or not self.kv_caches or self.device.type != "cpu":
             return
+        if self.lora is not None:  # the fused decoder has no LoRA product
+            return
         if not self.kernels.cpu_fused_decoder:
             return
         self.fast_path = self._build_cpu_decoder(self.model)
@@ -390,6 +401,7 @@ class ModelRunner:
             verify_seqs=verify_seqs,
             verify_drafts=verify_drafts,
             verify_rows=verify_rows,
+            lora_requests=self._lora_requests(out),
         )
 
     def _group_metadata(
@@ -415,6 +427,11 @@ class ModelRunner:
             )
         return tuple(result)
 
+    def _lora_requests(self, out: SchedulerOutput) -> list[Any] | None:
+        if self.lora is None:
+            return None
+        return [item.seq.lora_request for item in out.scheduled]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.release(out.finished_seq_ids)
@@ -437,6 +454,7 @@ class ModelRunner:
         first passes the previous tier's hidden_states in place of the embedding.
         layer_by_layer calls every module (so forward hooks, e.g. the partition profiler's
         timers, see each layer) instead of the fast path."""
+        self.prepare_lora(inp)
         with ForwardContext(inp.metadata):
             if self.fast_path is not None and not layer_by_layer:
                 return run_fused(
@@ -446,6 +464,12 @@ class ModelRunner:
             if hidden_states is None:
                 return self.model(inp.input_ids, inp.positions)
             return self.model(inp.input_ids, inp.positions, hidden_states)
+
+    def prepare_lora(self, inp: ModelInput) -> None:
+        """Point the LoRA layers at this step's rows per adapter (loading adapters as needed)."""
+        if self.lora is not None:
+            requests = inp.lora_requests or [None] * len(inp.metadata.query_lens_cpu)
+            self.lora.prepare(requests, inp.metadata.query_lens_cpu, self.device)
 
     @torch.inference_mode()
     def compute_output(self, inp: ModelInput, hidden: torch.Tensor) -> ModelOutput:

@@ -77,12 +77,13 @@ class StepInput:
     logits_indices: np.ndarray  # [num_logits]
     metadata: AttentionMetadata  # its tensors as numpy arrays
     overlap: bool  # split into micro-batches whose all-reduces overlap compute
+    lora_requests: list[Any] | None = None  # each sequence's adapter (enable_lora)
 
     @classmethod
     def from_input(cls, inp: ModelInput, overlap: bool) -> StepInput:
         md = inp.metadata.map_tensors(_host)
         host = [_host(t) for t in (inp.input_ids, inp.positions, inp.logits_indices)]
-        return cls(*host, md, overlap)
+        return cls(*host, md, overlap, inp.lora_requests)
 
     def to_input(self, device: torch.device) -> ModelInput:
         return ModelInput(
@@ -93,6 +94,7 @@ class StepInput:
             sample_seqs=[],
             sample_rows=[],
             prompt_logprob_rows=[],
+            lora_requests=self.lora_requests,
         )
 
 
@@ -131,6 +133,7 @@ def run_forward(
     runner: ModelRunner, inp: ModelInput, comm: OverlapCommunicator, overlap: bool
 ) -> torch.Tensor:
     """The sharded forward, over two interleaved micro-batches when overlap is on."""
+    overlap = overlap and runner.lora is None  # LoRA rows index the whole step's tokens
     batches = split_batch(inp.input_ids, inp.positions, inp.metadata) if overlap else None
     if batches is None or comm.world_size == 1 or not overlappable(runner.model):
         return runner.forward(inp)

@@ -111,6 +111,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         "(mean needs --no-enable-prefix-caching)",
     )
     server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served as model NAME (with --enable-lora)",
+    )
+    server.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='accepted for vLLM compatibility: --tool-call-parser alone enables "auto"',
@@ -151,4 +158,5 @@ def _serve(ns: argparse.Namespace) -> int:
         chat_template=ns.chat_template,
         runner=ns.runner,
         pooling_type=ns.pooling_type,
+        lora_modules=ns.lora_modules,
     )

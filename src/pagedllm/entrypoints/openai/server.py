@@ -33,6 +33,7 @@ from pagedllm.engine.async_engine import (
 )
 from pagedllm.entrypoints.openai.chat_templates import load_chat_template
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from pagedllm.entrypoints.openai.lora import LoRARegistry, add_lora_routes, parse_lora_modules
 from pagedllm.entrypoints.openai.openapi import (
     CHAT_RESPONSES,
     COMPLETION_RESPONSES,
@@ -94,6 +95,7 @@ def build_app(
     chat_template: str | None = None,
     runner: str = "generate",
     pooling_type: str = "last",
+    lora_modules: Sequence[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built from EngineArgs, or given and not owned).
 
@@ -104,11 +106,18 @@ def build_app(
     ``chat_template`` (a file, an inline template or a built-in name, see chat_templates.py)
     replaces the tokenizer's; ``tool_call_parser`` and ``reasoning_parser`` are vLLM's names.
     ``runner="pooling"`` serves /v1/embeddings (``pooling_type`` "last" or "mean").
+    ``lora_modules`` (``name=path``, an engine with enable_lora) serve adapters by name.
     """
     owned = isinstance(engine, EngineArgs)
     if isinstance(engine, EngineArgs):
         engine = AsyncLLMEngine.from_engine_args(engine, max_waiting_requests)
     model = served_model(engine, served_model_names, load_chat_template(chat_template))
+    loras = LoRARegistry(model, engine.engine.config.lora)
+    for name, path in parse_lora_modules(lora_modules or ()):
+        try:
+            loras.add(name, path)
+        except ServingError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from e
     metrics = PrometheusStatLogger(
         model.name, model.max_model_len, cache_info(engine), process_metrics=True
     )
@@ -133,7 +142,8 @@ def build_app(
     _add_error_handlers(app)
     pooler = attach_pooler(engine, pooling_type) if runner == "pooling" else None
     app.state.pooler = pooler
-    _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser, pooler)
+    _add_routes(app, engine, model, metrics, tool_call_parser, reasoning_parser, pooler, loras)
+    add_lora_routes(app, loras)
     open_paths = ["/health"] if metrics_need_api_key else ["/health", "/metrics"]
     vocab_size = engine.engine.config.model.hf_config.vocab_size
     install_openapi(app, vocab_size, open_paths if api_key is not None else None)
@@ -242,6 +252,7 @@ def _add_routes(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     pooler: Pooler | None = None,
+    loras: LoRARegistry | None = None,
 ) -> None:
     from pagedllm import __version__
 
@@ -274,13 +285,15 @@ def _add_routes(
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> JSONResponse:
-        return _json(ModelList(data=[card(name) for name in model.names]))
+        adapters = loras.cards() if loras is not None else []
+        return _json(ModelList(data=[card(name) for name in model.names] + adapters))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=MODEL_RESPONSES)
     async def retrieve_model(model_id: str) -> JSONResponse:
         if not model.serves(model_id):
             raise model_not_found(model_id, model)
-        return _json(card(model_id))
+        adapter = next((c for c in (loras.cards() if loras else []) if c.id == model_id), None)
+        return _json(adapter or card(model_id))
 
     @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:

@@ -77,15 +77,22 @@ class ServedModel:
     path: str  # the model folder
     max_model_len: int
     chat_template: str | None = None  # --chat-template (None: the tokenizer's own)
+    # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): LoRARequests
+    loras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.names[0]
 
+    def lora_for(self, name: str | None) -> Any:
+        """The LoRARequest a request for model ``name`` runs with (None: the base model)."""
+        return None if name is None else self.loras.get(name)
+
     def serves(self, name: str) -> bool:
-        """A served name, or a path of the model folder (clients that load its tokenizer
-        may send the folder as they know it: relative, absolute, with a trailing slash)."""
-        if name in self.names:
+        """A served name, an adapter's name, or a path of the model folder (clients that load
+        its tokenizer may send the folder as they know it: relative, absolute, with a
+        trailing slash)."""
+        if name in self.names or name in self.loras:
             return True
         try:
             return os.path.isdir(name) and os.path.samefile(name, self.path)
@@ -229,24 +236,32 @@ class OpenAIServing:
         prompts: Sequence[tuple[PromptType, SamplingParams]],
         stream: bool,
         events: Callable[[list[RequestStream]], AsyncIterator[str]],
+        model_name: str | None = None,
     ) -> list[RequestOutput] | StreamingResponse:
         """Queue one engine request per prompt; then either the server-sent events that
         ``events(streams)`` writes (ended by an error event if needed and ``[DONE]``), or
         the final output of each request, aborted if the client goes away first."""
-        streams = await self.add_requests(request_id, prompts)
+        streams = await self.add_requests(request_id, prompts, model_name)
         if stream:
             return event_stream(sse_body(events(streams)), streams)
         return await unless_disconnected(collect_finals(streams), raw)
 
     async def add_requests(
-        self, request_id: str, prompts: Sequence[tuple[PromptType, SamplingParams]]
+        self,
+        request_id: str,
+        prompts: Sequence[tuple[PromptType, SamplingParams]],
+        model_name: str | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt; on any error the ones queued are aborted."""
+        """Queue one engine request per prompt, with the adapter model_name names (if it
+        names one); on any error the ones queued are aborted."""
+        lora = self.model.lora_for(model_name)
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params))
+                streams.append(
+                    await self.engine.add_request(rid, prompt, params, lora_request=lora)
+                )
         except BaseException as e:
             for stream in streams:
                 stream.abort()

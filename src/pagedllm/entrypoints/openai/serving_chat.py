@@ -117,6 +117,7 @@ class OpenAIServingChat(OpenAIServing):
             [(prep.prompt, prep.params)],
             req.stream,
             lambda streams: self._stream(prep, header, streams[0]),
+            req.model,
         )
         if isinstance(result, StreamingResponse):
             return result

@@ -81,7 +81,12 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         header = ChunkHeader(request_id, self.response_model(req.model))
         result = await self.respond(
-            raw, request_id, requests, req.stream, lambda s: self._stream(req, header, s, echoes)
+            raw,
+            request_id,
+            requests,
+            req.stream,
+            lambda s: self._stream(req, header, s, echoes),
+            req.model,
         )
         if isinstance(result, StreamingResponse):
             return result

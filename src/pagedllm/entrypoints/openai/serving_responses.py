@@ -259,7 +259,9 @@ class OpenAIServingResponses:
         chat_req = chat_request(req, history)
         prep = await self.chat.prepare(chat_req, raw)
         response_id = _id("resp")
-        (stream,) = await self.chat.add_requests(response_id, [(prep.prompt, prep.params)])
+        (stream,) = await self.chat.add_requests(
+            response_id, [(prep.prompt, prep.params)], chat_req.model
+        )
         base = self._base(req, response_id)
         # What previous_response_id continues: the conversation without this turn's
         # instructions (they apply to this response only), then its output.
