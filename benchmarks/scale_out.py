@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from pagedllm.entrypoints.data_parallel import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "river stone lamp orchard violin harbor cedar meadow copper lantern glacier".split()
 
@@ -38,20 +40,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not healthy")
 
 
 @dataclass
@@ -69,7 +57,7 @@ def start_replica(model: str, threads: int) -> Replica:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
+    wait_healthy(url, proc, 180)
     return Replica(proc, url, f"tcp://127.0.0.1:{ev}")
 
 

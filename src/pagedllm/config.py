@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 from pagedllm import envs
 from pagedllm.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from pagedllm.generation_config import generation_config_folder
+from pagedllm.json_config import config_dict
 from pagedllm.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
@@ -196,14 +196,7 @@ _PARTITION_KEYS = tuple(f.name for f in dataclasses.fields(PartitionConfig))
 
 def partition_config_dict(raw: dict[str, Any] | str | None) -> dict[str, Any] | None:
     """partition_config as given (a dict or its JSON text) as a dict; ValueError."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"partition_config is not valid JSON: {e}") from e
-    if raw is not None and not isinstance(raw, dict):
-        raise ValueError(f"partition_config must be a dict, got {type(raw).__name__}.")
-    return raw
+    return config_dict(raw, "partition_config")
 
 
 def _merge_deprecated_partition_fields(args: EngineArgs) -> dict[str, Any] | None:

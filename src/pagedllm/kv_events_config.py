@@ -7,9 +7,10 @@ cache changes as vLLM does; see metrics/kv_events.py for the wire format.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagedllm.json_config import config_dict
 
 PUBLISHERS = ("null", "zmq")
 
@@ -45,19 +46,10 @@ _TYPES: dict[str, tuple[type, ...]] = {
 def parse_kv_events_config(raw: dict[str, Any] | str | None) -> KVEventsConfig | None:
     """Validate the user's dict (or its JSON text); None when events are off. ValueError
     names the bad field."""
+    known = {f.name for f in fields(KVEventsConfig)}
+    raw = config_dict(raw, "kv_events_config", known)
     if raw is None:
         return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_events_config is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"kv_events_config must be a dict, got {type(raw).__name__}.")
-    known = {f.name for f in fields(KVEventsConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"kv_events_config has unknown fields {unknown}; known: {sorted(known)}.")
     for name, value in raw.items():
         wanted = _TYPES[name]
         if not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted):

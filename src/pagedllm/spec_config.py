@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagedllm.json_config import config_dict
 
 METHODS = ("ngram", "draft_model")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
@@ -32,20 +33,9 @@ def _positive_int(cfg: dict[str, Any], name: str, default: int | None) -> int:
 
 def parse_speculative_config(raw: dict[str, Any] | str | None) -> SpeculativeConfig | None:
     """Validate the user's dict (or its JSON text); ValueError names the bad field."""
+    raw = config_dict(raw, "speculative_config", _KEYS)
     if raw is None:
         return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}.")
-    unknown = sorted(set(raw) - _KEYS)
-    if unknown:
-        raise ValueError(
-            f"speculative_config has unknown fields {unknown}; known: {sorted(_KEYS)}."
-        )
     method = raw.get("method") or ("draft_model" if raw.get("model") else None)
     if method not in METHODS:
         raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}.")

@@ -91,7 +91,7 @@ class _Replica:
         self.proc = subprocess.Popen(cmd, env=env)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -143,7 +143,7 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for r in replicas:
-            _wait_healthy(r.url, r.proc, 900)
+            wait_healthy(r.url, r.proc, 900)
         port = ns.port or _free_port()
         model = (ns.served_model_name or [str(ns.model_pos or ns.model)])[0]
         kind = ns.data_parallel_router
@@ -152,7 +152,7 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
         router = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
         shown = f"[{ns.host}]" if ":" in ns.host else ns.host
         local = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else shown
-        _wait_healthy(f"http://{local}:{port}", router, 120)
+        wait_healthy(f"http://{local}:{port}", router, 120)
         _print_banner(f"http://{shown}:{port}", ns.data_parallel_router, replicas, threads)
         return _supervise(router, replicas)
     except KeyboardInterrupt:
