@@ -6,7 +6,9 @@ string arguments as these tests do."""
 
 from __future__ import annotations
 
+import os
 import re
+from unittest import mock
 
 import httpx
 import pytest
@@ -27,10 +29,20 @@ ARGS = {
 SHARED = "Deep in the northern forest a small fox searched every morning for berries and " * 4
 
 
+# Serve's controller kills an HTTP proxy that misses its 5 s ready check or 10 s health
+# check; with both cores busy a starting proxy can be slower than that. Ray's own settings
+# (read by the controller, which inherits the environment of ray.init) give it a minute.
+SLOW_MACHINE = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
 @pytest.fixture(scope="module")
 def proxy() -> str:
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with mock.patch.dict(os.environ, SLOW_MACHINE):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(ARGS), name="pagedllm", route_prefix="/")
