@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.process import Output, read_banner, server_url, wait_healthy
+from helpers.process import Output, read_banner, server_url, stop_cleanly, wait_healthy
 
 
 def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
@@ -35,8 +34,8 @@ def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
+    output = Output(proc)
     try:
-        output = Output(proc)
         banner = read_banner(output, "metrics", timeout=120)
         url = server_url(banner)
         assert re.search(r"model\s+tiny", banner)
@@ -51,15 +50,7 @@ def test_serve_command_prints_banner_serves_and_stops(tiny_llama) -> None:
         result = client.completions.create(model="tiny", prompt="The quick", max_tokens=5)
         assert result.usage.completion_tokens == 5
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    rest = output.rest()
-    assert proc.returncode == 0, rest
-    assert "Traceback" not in rest, rest
+        stop_cleanly(proc, output)
 
 
 def test_nothing_listens_until_the_engine_is_ready(tiny_llama, monkeypatch) -> None:

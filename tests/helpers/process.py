@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -89,3 +90,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("server never became healthy")
+
+
+def stop_cleanly(proc: subprocess.Popen, output: Output) -> None:
+    """Ctrl-C the server as a user would; it must exit 0 within 30 s with no traceback."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    rest = output.rest()
+    assert proc.returncode == 0, rest
+    assert "Traceback" not in rest, rest

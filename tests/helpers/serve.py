@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 
-from helpers.process import Output, read_banner, server_url, wait_healthy
+from helpers.process import Output, read_banner, server_url, stop_cleanly, wait_healthy
 
 
 @contextlib.contextmanager
@@ -36,12 +35,4 @@ def pagedllm_serve(*args: str, timeout: float = 180) -> Iterator[str]:
         wait_healthy(url, proc)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    rest = output.rest()
-    assert proc.returncode == 0, rest
-    assert "Traceback" not in rest, rest
+        stop_cleanly(proc, output)
