@@ -11,6 +11,7 @@ from typing import Any
 from pagedllm import envs
 from pagedllm.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from pagedllm.generation_config import generation_config_folder
+from pagedllm.hf_config import model_kind
 from pagedllm.json_config import config_dict
 from pagedllm.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
@@ -18,6 +19,7 @@ from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 _DTYPES = ("auto", *FLOAT_DTYPES, "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # for a config.json that names no architecture
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "none")  # EngineArgs.quantization
 QUANT_METHOD = "pagedllm_int8"  # quantization_config.quant_method of a saved int8 checkpoint
 
 
@@ -57,6 +59,7 @@ class ModelConfig:
     seed: int
     layer_range: tuple[int, int] | None = None  # decoder layers of a partition tier; None: all
     quant_config: QuantConfig | None = None  # int8 quantization; None: full precision
+    gguf_blocks: bool = False  # a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks
     generation_config: str | None = None  # folder whose generation_config.json sets defaults
 
     @property
@@ -317,7 +320,9 @@ class EngineArgs:
     quantization: str | None = _arg(
         None,
         "None | int8 (int8 x int8 products, down_proj int8 weight-only, LM head and embedding "
-        "kept) | int4 (weight-only, group scales; vLLM's rtn at 4 bits)",
+        "kept) | int4 (weight-only, group scales; vLLM's rtn at 4 bits) | gguf (a GGUF file's "
+        "Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks: what None does for a GGUF file on a "
+        "CPU) | none (a GGUF file dequantized to --dtype)",
     )
     device: str = _arg("auto", "auto | cpu | cuda")
     attention_backend: str | None = _arg(
@@ -441,6 +446,7 @@ class EngineArgs:
                 dtype=_resolve_dtype(self.dtype, hf_config, device),
                 seed=self.seed,
                 quant_config=self._quant_config(hf_config),
+                gguf_blocks=self._gguf_blocks(model, device),
                 generation_config=generation_config_folder(self.generation_config, model),
             ),
             cache=CacheConfig(
@@ -523,9 +529,10 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
-        if self.quantization not in (None, "int8", "int4"):
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(
-                f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}."
+                f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}."
             )
         self.requested_quant_config()  # validates the quant_* options
         if self.device not in ("auto", "cpu", "cuda"):
@@ -554,7 +561,7 @@ class EngineArgs:
 
     def requested_quant_config(self) -> QuantConfig:
         return QuantConfig(
-            quant_dtype=self.quantization or "int8",
+            quant_dtype=self.quantization if self.quantization in ("int8", "int4") else "int8",
             observer_type=self.quant_observer,
             granularity=self.quant_granularity,
             enable_activation=self.quant_activation,
@@ -562,11 +569,25 @@ class EngineArgs:
             smoothquant_alpha=None if self.quant_smoothing else 0.0,
         )
 
+    def _gguf_blocks(self, model: str, device: str) -> bool:
+        """Whether the GGUF file's quantized tensors stay in their blocks (the weight-only CPU
+        kernels run them, on one rank); quantization 'none' or another method dequantizes."""
+        if model_kind(model) != "gguf":
+            if self.quantization == "gguf":
+                raise ValueError(f"quantization 'gguf' needs a GGUF file, got {model!r}.")
+            return False
+        keep = self.quantization in (None, "gguf")
+        if keep and (device != "cpu" or self.tensor_parallel_size > 1):
+            if self.quantization == "gguf":
+                raise ValueError("quantization 'gguf' runs on one CPU rank (device cpu, tp 1).")
+            return False
+        return keep
+
     def _quant_config(self, hf_config: Any) -> QuantConfig | None:
         """The requested int8 config; a checkpoint saved quantized fixes its weight options."""
         saved = getattr(hf_config, "quantization_config", None)
         if not (isinstance(saved, dict) and saved.get("quant_method") == QUANT_METHOD):
-            return self.requested_quant_config() if self.quantization else None
+            return self.requested_quant_config() if self.quantization in ("int8", "int4") else None
         return dataclasses.replace(
             self.requested_quant_config(),
             quant_dtype="int8",

@@ -17,20 +17,23 @@ from pagedllm.layers import cpu_fused
 from pagedllm.layers.quantization import DynamicQuantConfig
 from pagedllm.worker.cpu_decoder import CpuFusedDecoder
 
-# int8 x int8 in every linear (the C++ int8 kernel the fused decoder runs); the default int8
-# keeps down_proj weight-only, which the fused decoder cannot run (see the test below)
+# int8 x int8 in every linear (the C++ int8 kernel); "int8" and "int4" are the engine's own
+# --quantization (the default int8 keeps down_proj weight-only: the weight-only C++ kernel)
 W8A8 = DynamicQuantConfig(weight_only_layers=())
 
 CASES = [
     ("llama", "float32", None),
     ("llama", "bfloat16", None),
+    ("llama", "float32", "w8a8"),
     ("llama", "float32", "int8"),
+    ("llama", "bfloat16", "int4"),
     ("llama3_rope", "float32", None),
     ("mistral", "float32", None),  # sliding window shorter than the prompts
     ("qwen2", "float32", None),  # qkv bias
-    ("qwen2", "bfloat16", "int8"),  # bias added after the int8 product, in bf16
+    ("qwen2", "bfloat16", "w8a8"),  # bias added after the int8 product, in bf16
+    ("qwen2", "float32", "int4"),  # bias added after the weight-only product
     ("qwen3", "float32", None),  # per-head q / k norms, explicit head_dim
-    ("qwen3", "bfloat16", "int8"),
+    ("qwen3", "bfloat16", "w8a8"),
     ("gemma3", "float32", None),  # every Gemma 3 variant, window 8 < the prompts
     ("gemma3", "bfloat16", None),
 ]
@@ -79,8 +82,9 @@ def run_engine(
         enable_prefix_caching=True,
         kv_cache_memory_bytes=1 << 20,
         enforce_eager=enforce_eager,
+        quantization=quantization if quantization in ("int8", "int4") else None,
     )
-    if quantization == "int8":
+    if quantization == "w8a8":
         W8A8.apply(llm.llm_engine.model)  # rebuilds the fast path: now with int8 products
     base = random_prompts(3, 20, 45, seed=3)
     prompts = base + [base[0][:16] + [5, 6, 7]]  # shares four full blocks with the first
@@ -107,16 +111,19 @@ def test_fused_layers_equal_the_python_layers(
     assert fused == python  # token ids and logprobs, bit for bit
 
 
-def test_default_int8_runs_the_modules(model_factory, monkeypatch):
-    """The default int8 (down_proj weight-only) has a product the fused decoder cannot run:
-    the runner does not build it and the modules run every step."""
-    counter = FusedCounter(monkeypatch)
-    llm = LLM(str(model_factory("llama")), dtype="float32", quantization="int8")
+@pytest.mark.parametrize(("quantization", "bits"), [("int8", {8}), ("int4", {4})])
+def test_weight_only_products_run_in_the_fused_decoder(model_factory, quantization, bits):
+    """The default int8 (down_proj weight-only int8) and int4 (every linear weight-only)
+    build the fused decoder, whose weight-only linears carry -bits as their level."""
+    llm = LLM(str(model_factory("llama")), dtype="float32", quantization=quantization)
     runner = llm.llm_engine.executor.local_runner
-    assert runner.fast_path is None
-    assert "no fused form" in CpuFusedDecoder.why_not(runner.model.model.layers, runner.dtype)
-    generate(llm, [[5, 6, 7, 8]])
-    assert counter.calls == 0
+    assert runner.fast_path is not None
+    levels = runner.fast_path.operands.ints
+    per_layer = len(levels) // runner.model.config.num_hidden_layers
+    linear_levels = [lv for i, lv in enumerate(levels) if 6 <= i % per_layer < 10]
+    assert {-lv for lv in linear_levels if lv < 0} == bits
+    if quantization == "int8":
+        assert any(lv > 0 for lv in linear_levels)  # qkv / o / gate_up stay W8A8
 
 
 def test_layers_without_the_cpu_kernel_take_the_python_path(model_factory, monkeypatch):

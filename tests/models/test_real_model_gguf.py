@@ -152,3 +152,31 @@ def test_converted_folder_loads_and_decodes_like_the_gguf(llm, hf_tokenizer):
     a = pagedllm_greedy(folder_llm, ids, max_tokens=10)
     b = pagedllm_greedy(llm, ids, max_tokens=10)
     assert a.token_ids == b.token_ids
+
+
+def test_q4_1_file_is_served_in_its_blocks(llm, gguf_path):
+    """The file's Q4_1 linears and its Q8_0 embedding (the tied LM head) stay in their blocks:
+    the model holds about the file's bytes, and the fused decoder runs the int4 products."""
+    from pagedllm.layers.quantization import describe, weight_bytes
+
+    model = llm.llm_engine.model
+    assert describe(model).startswith(
+        "120 int4 weight-only, group 32, 2 int8 weight-only, group 32"
+    )  # qkv, o, gate_up, down of 30 layers; embedding and head share the Q8_0 codes
+    assert model.lm_head.weight_packed is model.model.embed_tokens.weight_packed
+    size = gguf_path.stat().st_size
+    assert size < weight_bytes(model) < size * 1.25  # codes as stored, fp32 group constants
+    levels = llm.llm_engine.executor.local_runner.fast_path.operands.ints
+    assert levels[6:10] == [-4, -4, -4, -4]  # the first layer's four linears, int4
+
+
+def test_quantization_none_dequantizes_the_file(gguf_path):
+    from pagedllm.layers.quantization import describe, weight_bytes
+
+    llm = LLM(model=str(gguf_path), quantization="none", dtype="bfloat16",
+              kv_cache_memory_bytes=16 << 20, max_model_len=256)  # fmt: skip
+    model = llm.llm_engine.model
+    assert describe(model) == "no layer quantized"
+    assert weight_bytes(model) > 2 * gguf_path.stat().st_size  # bf16 values
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF file"):
+        LLM(model=str(smollm2_hf_folder()), quantization="gguf")

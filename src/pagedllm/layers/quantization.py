@@ -276,6 +276,11 @@ class WeightOnlyKernel(Int8Kernel):
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
 
+    def fused_operands(
+        self, bias: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor | None], int] | None:
+        return _weight_only_operands(self.packed, bias)
+
 
 class GroupKernel(Int8Kernel):
     """Weight-only int4 (or group-wise int8) of layers/weight_only.py: the module's weight
@@ -293,6 +298,21 @@ class GroupKernel(Int8Kernel):
 
     def weight_int8(self) -> torch.Tensor:
         raise TypeError("a group-quantized weight has no per-row int8 form")
+
+    def fused_operands(
+        self, bias: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor | None], int] | None:
+        return _weight_only_operands(self.packed, bias)
+
+
+def _weight_only_operands(
+    packed: weight_only.PackedWeight | None, bias: torch.Tensor | None
+) -> tuple[list[torch.Tensor | None], int] | None:
+    """The fused decoder's form of a weight-only product (csrc/fused_ops.cpp): codes, int4
+    offsets, group scales, bias, and -bits for the activation level."""
+    if packed is None or packed.qweight.device.type != "cpu" or not weight_only.load():
+        return None
+    return [packed.qweight, packed.offset, packed.scale, bias], -packed.bits
 
 
 KERNELS: dict[str, type[Int8Kernel]] = {
@@ -378,6 +398,17 @@ class Int8VocabParallelEmbedding(VocabParallelEmbedding):
         return rows.to(self.dequant_dtype)
 
 
+class PackedVocabParallelEmbedding(VocabParallelEmbedding):
+    """A group-quantized embedding (a GGUF file's Q8_0 token embedding): the rows looked up
+    are dequantized, the rest stays in codes."""
+
+    packed: weight_only.PackedWeight
+    dequant_dtype: torch.dtype
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return self.packed.dequantize(local_ids).to(self.dequant_dtype)
+
+
 INT8_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     ReplicatedLinear: Int8ReplicatedLinear,
     ColumnParallelLinear: Int8ColumnParallelLinear,
@@ -405,8 +436,8 @@ def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
     """Make a float linear layer (or LM head) run on a group-quantized weight: int4 / int8
     codes in layers/weight_only.py's layout, from quantizing it or from a GGUF file's blocks
     (layers/gguf_repack.py). The float weight is dropped; an empty one keeps the name."""
-    if not isinstance(module, (LinearBase, ParallelLMHead)):
-        raise TypeError(f"{type(module).__name__} has no matmul to run on packed weights")
+    if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+        raise TypeError(f"{type(module).__name__} cannot run on packed weights")
     rows, cols = packed.shape
     if tuple(module.weight.shape) != (rows, cols):
         raise ValueError(f"packed weight {rows}x{cols} != layer {tuple(module.weight.shape)}")
@@ -417,6 +448,10 @@ def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
         module.register_buffer("weight_group_offset", packed.offset, persistent=False)
     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     module.quant_method = f"int{packed.bits} weight-only, group {packed.group}"
+    if type(module) is VocabParallelEmbedding:
+        module.__class__ = PackedVocabParallelEmbedding
+        module.packed = packed
+        return
     _to_int8_class(module, GroupKernel(module, packed))
 
 

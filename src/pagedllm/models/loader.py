@@ -4,7 +4,7 @@ safetensors or a GGUF file's tensors: pagedllm.models.sources)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -118,8 +118,13 @@ def resolve_name(model: nn.Module, name: str) -> tuple[str, int | str | None]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model, each through its parameter's weight_loader."""
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    installed: Collection[str] = (),
+) -> None:
+    """Copy checkpoint tensors into the model, each through its parameter's weight_loader.
+    installed: parameters already in place (a GGUF file's blocks kept as they are)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model, "tie_word_embeddings", False)
     absent = tuple(n + "." for n, m in model.named_modules() if isinstance(m, MissingLayer))
@@ -141,6 +146,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         else:
             loader(param, tensor, shard_id)
         loaded.add(name)
+    loaded.update(installed)
     missing = [n for n in params if n not in loaded and not (tied and n in _TIED_HEAD)]
     if missing:
         raise ValueError(
@@ -163,7 +169,15 @@ def load_model(
 
         quant = DynamicQuantConfig.from_config(config.quant_config)
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
-    load_weights(model, open_source(config.model).iterate_weights(torch_dtype(config.dtype)))
+    source, dtype = open_source(config.model), torch_dtype(config.dtype)
+    if config.gguf_blocks and config.layer_range is None and comm.world_size == 1:
+        from pagedllm.models.gguf_blocks import install_gguf_blocks
+
+        tensors = source.iterate_tensors()  # type: ignore[attr-defined]
+        rest, installed = install_gguf_blocks(model, tensors, dtype, resolve_name)
+        load_weights(model, rest, installed)
+    else:
+        load_weights(model, source.iterate_weights(dtype))
     if quant is not None:
         from pagedllm.layers.quantization import describe
 

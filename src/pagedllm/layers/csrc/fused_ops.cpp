@@ -382,7 +382,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 // weights (input, after attention, before the MLP, after the MLP, q per head, k per head; an
 // absent norm is undefined), the rotary tables, the layer's key and value cache, then four
 // linear layers (qkv, o, gate_up, down) as (weight, rowsum, scale, bias): rowsum undefined is
-// a float weight (at::linear), else the packed int8 weight of pagedllm_int8::int8_linear.
+// a float weight (at::linear), else the packed int8 weight of pagedllm_int8::int8_linear; a
+// negative activation level -b is a weight-only b-bit weight of pagedllm_wo::
+// weight_only_linear, (codes, offset or undefined, group scales, bias).
 // `ints` holds kIntsPerLayer entries (heads, KV heads, head size, window, attention tiles
 // block_m and block_n, the four linears' activation levels, the activation: 0 SiLU, 1 GELU
 // tanh, and the norm kind: 0 weight * x, 1 (1 + weight) * x) and `floats` kFloatsPerLayer
@@ -392,6 +394,10 @@ constexpr int64_t kTensorsPerLayer = 26, kIntsPerLayer = 12, kFloatsPerLayer = 2
 using Int8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
                                 const c10::optional<std::string>&);
+using WeightOnlyLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, int64_t,
+                                      const c10::optional<at::Tensor>&,
+                                      const c10::optional<std::string>&, int64_t);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
@@ -404,6 +410,13 @@ const c10::TypedOperatorHandle<Int8LinearFn>& int8_linear_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagedllm_int8::int8_linear", "")
                              .typed<Int8LinearFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<WeightOnlyLinearFn>& weight_only_linear_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_wo::weight_only_linear", "")
+                             .typed<WeightOnlyLinearFn>();
   return op;
 }
 
@@ -421,8 +434,8 @@ const at::Tensor& entry(const c10::List<c10::optional<at::Tensor>>& tensors, int
   return slot;
 }
 
-// x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 one the
-// kernel on float32 activations, cast back to x's dtype, then the bias (Int8Kernel.__call__).
+// x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 or
+// weight-only one the kernel, cast back to x's dtype, then the bias (Int8Kernel.__call__).
 at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& tensors,
                   int64_t first, int64_t levels) {
   at::Tensor w, rowsum, scale, bias;
@@ -432,6 +445,13 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   entry(tensors, first + 3, bias);
   const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias)
                                                      : c10::nullopt;
+  if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
+    const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
+                                                              : c10::nullopt;
+    at::Tensor y = weight_only_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
+                                                c10::nullopt, 16);  // weight_only.linear's x
+    return bias.defined() ? y + bias : y;
+  }
   if (!rowsum.defined()) {
     if (x.size(0) <= kGemvUseRows && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16))
