@@ -469,6 +469,7 @@ def serve_llama(
 def real_model_main(args: argparse.Namespace) -> None:
     """Batch 1 and serving of SmolLM2 on every format, both engines; the table, JSON, chart."""
     folder = args.model or default_smollm2_folder()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # pagedllm serve: as many as llama.cpp's
     config = json.loads((folder / "config.json").read_text())
     ggufs = list(args.gguf)
     if not any(gguf_format(g) == "q4_1" for g in ggufs):
