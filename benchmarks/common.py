@@ -76,19 +76,41 @@ def default_model_dir() -> Path:
     return Path(os.environ.get("PAGEDLLM_BENCH_DIR", "bench_out")) / "llama-125m"
 
 
+def _cpuinfo_field(name: str) -> str:
+    """The first value of a /proc/cpuinfo field ('' where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_model() -> str:
+    return _cpuinfo_field("model name") or "unknown CPU"
+
+
+# The instruction sets the CPU kernels of both engines choose between.
+_KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                 "avx512_bf16", "amx_int8", "amx_bf16")  # fmt: skip
+
+
+def cpu_flags() -> str:
+    """Those of _KERNEL_FLAGS this CPU reports, detected at run time."""
+    flags = _cpuinfo_field("flags").split()
+    return " ".join(f for f in flags if f in _KERNEL_FLAGS)
+
+
+def load_average() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def machine() -> str:
     import torch
 
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return (
-        f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
+        f"{os.cpu_count()} cores ({cpu_model()}), torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
     )
 

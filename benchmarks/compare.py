@@ -17,6 +17,18 @@ batch 1, weight bytes/s as a share of the read bandwidth; writes JSON and the RE
     python benchmarks/compare.py --quick                   # ~15 min on 2 cores, no llama.cpp
     python benchmarks/compare.py --llama-server /work/llama-peer/bin/llama-server \\
         --gguf /work/llama-peer/gguf/llama-125m-{f32,f16,q8_0}.gguf        # full run
+
+4. ``--real-model``: SmolLM2-135M-Instruct (its cached HF fp32 folder and GGUF files), every
+   format through both engines on the same weights: pagedllm fp32 / bf16 / int8 from the
+   folder and each GGUF loaded directly, llama.cpp on each GGUF (the converter's f32 / bf16 /
+   q8_0 and the Q4_1 file users download). Batch 1 (pagedllm: a 128-token prompt, 128 output
+   tokens; llama.cpp: ``llama-bench -p 0 -n 128 -d 128``) against the bound of read bandwidth
+   / weight bytes per token, and 48 requests of real text at once through both HTTP servers
+   (the same client). Writes a markdown table, JSON and the README chart:
+
+    python benchmarks/compare.py --real-model --llama-server /work/llama/bin/llama-server \\
+        --gguf /work/llama/gguf/hf-fp32-{f32,bf16,q8_0}.gguf
+
 Build the llama.cpp peer and the GGUF files with tools/build_llama_cpp.sh.
 """
 
@@ -24,21 +36,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import BENCH_125M, build_bench_model, default_model_dir, machine  # noqa: E402
-from serving import wait_healthy  # noqa: E402
+from common import (  # noqa: E402
+    BENCH_125M,
+    build_bench_model,
+    cpu_flags,
+    cpu_model,
+    default_model_dir,
+    load_average,
+    machine,
+)
+from serving import start_server, wait_healthy  # noqa: E402
 from throughput import WORKLOADS, Request, make_workload, run_hf, run_pagedllm  # noqa: E402
 
 PRECISIONS = {
@@ -139,23 +161,37 @@ def gemm_peaks(rows: list[int], seconds: float) -> dict[str, dict[int, float]]:
     return peaks
 
 
+def _fastest_call(calls: int, fn, *args: object) -> float:  # noqa: ANN001
+    """Seconds of the fastest of `calls` fn(*args) calls, after a warm-up call."""
+    fn(*args)
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def bandwidth(mib: int = 256) -> dict[str, float]:
-    """GB/s: read (sum of a buffer far larger than the caches) and copy (bytes read + written)."""
+    """GB/s: read (sum of a buffer far larger than the caches; the mean over a second, and the
+    fastest of 20 calls: what the machine can do when the neighbours let it, the figure a bound
+    needs) and copy (bytes read + written)."""
     src = torch.ones(mib * 2**18)  # fp32
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
     read = _per_call(1.0, torch.sum, src)
+    fastest = _fastest_call(20, torch.sum, src)
     copy = _per_call(1.0, dst.copy_, src)
-    return {"read_gb_s": nbytes / read / 1e9, "copy_gb_s": 2 * nbytes / copy / 1e9}
+    return {"read_gb_s": nbytes / read / 1e9, "read_best_gb_s": nbytes / fastest / 1e9,
+            "copy_gb_s": 2 * nbytes / copy / 1e9}  # fmt: skip
 
 
 # ---- pagedllm, one user ----------------------------------------------------------------------
-def pagedllm_batch1(model: Path, precision: str, prompt_len: int, out_len: int) -> dict:
-    """TTFT of a prompt_len prompt and decode tok/s over out_len tokens (one request)."""
+def pagedllm_batch1(model: Path, engine_kwargs: dict, prompt: list[int], out_len: int) -> dict:
+    """TTFT of the prompt and decode tok/s over out_len tokens (one request)."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(model), skip_tokenizer_init=True, max_num_seqs=1, **PRECISIONS[precision])
-    prompt = make_workload("uniform", seed=1)[0].prompt[:prompt_len]
+    llm = LLM(str(model), skip_tokenizer_init=True, max_num_seqs=1, **engine_kwargs)
 
     def run(n: int) -> float:
         llm.llm_engine.block_manager.reset_prefix_cache()
@@ -172,18 +208,43 @@ def pagedllm_batch1(model: Path, precision: str, prompt_len: int, out_len: int) 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 def gguf_format(path: Path) -> str:
-    match = re.search(r"(f32|f16|bf16|q8_0|q4_0|q4_k_m)", path.name.lower())
+    """The file's format as its metadata names it (general.file_type: "q4_1", "bf16" ...),
+    else as its name spells it."""
+    import gguf
+
+    from pagedllm.gguf_metadata import open_gguf
+
+    try:
+        file_type = open_gguf(path).value("general.file_type")
+        if file_type is not None:
+            name = gguf.LlamaFileType(int(file_type)).name
+            return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+    except ValueError:
+        pass
+    match = re.search(r"(f32|f16|bf16|q8_0|q4_0|q4_1|q4_k_m)", path.name.lower())
     return match[1] if match else path.stem
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, prompt_len: int, out_len: int) -> dict:
-    """llama-bench's pp<prompt_len> and tg<out_len> (tok/s, mean of its repetitions)."""
+def llama_bench_command(
+    binary: Path, gguf: Path, threads: int, prompt_len: int, out_len: int, depth: int = 0
+) -> list[str]:
     cmd = [str(binary), "-m", str(gguf), "-p", str(prompt_len), "-n", str(out_len)]
-    cmd += ["-t", str(threads), "-r", "3", "-o", "json"]
+    cmd += ["-d", str(depth)] if depth else []
+    return cmd + ["-t", str(threads), "-r", "3", "-o", "json"]
+
+
+def llama_bench(
+    binary: Path, gguf: Path, threads: int, prompt_len: int, out_len: int, depth: int = 0
+) -> dict:
+    """llama-bench's tg<out_len> (after depth tokens of context) and, for prompt_len > 0, its
+    pp<prompt_len> as a TTFT (tok/s: the mean of its repetitions)."""
+    cmd = llama_bench_command(binary, gguf, threads, prompt_len, out_len, depth)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    if prompt_len == 0:
+        return {"ttft_s": None, "decode_tok_s": tg}
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     return {"ttft_s": prompt_len / pp, "decode_tok_s": tg}
 
 
@@ -198,6 +259,7 @@ class LlamaServer:
     ctx_per_slot: int = 1024
     proc: subprocess.Popen | None = None
     url: str = ""
+    command: list[str] = field(default_factory=list)
 
     def __enter__(self) -> LlamaServer:
         import socket
@@ -209,6 +271,7 @@ class LlamaServer:
         cmd += ["-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.slots)]
         cmd += ["-c", str(self.slots * self.ctx_per_slot), "-b", "2048", "-ub", "512"]
         cmd += ["--log-disable"]
+        self.command = cmd
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
         wait_healthy(self.url, self.proc, timeout=300)
@@ -245,14 +308,370 @@ async def _llama_all(url: str, reqs: list[Request]) -> float:
     return elapsed
 
 
+# ---- SmolLM2-135M-Instruct beside llama.cpp (--real-model) -----------------------------------
+# The serving workload: requests of real text, all sent at once to each engine's HTTP server.
+SERVE_REQUESTS = 48
+SERVE_PROMPT_TOKENS = (96, 480)
+SERVE_OUTPUT_TOKENS = (32, 192)
+BATCH1_PROMPT, BATCH1_OUTPUT = 128, 128
+# GGUF formats whose weights pagedllm runs in a float dtype: the file's own, so that both
+# engines stream the same bytes; the block formats (q8_0, q4_1 ...) run at the default dtype.
+GGUF_FLOAT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One row of the real-model table: an engine on one format of the weights."""
+
+    name: str  # "pagedllm" or "llama.cpp"
+    fmt: str  # "fp32" / "bf16" / "int8" (HF folder), "gguf q4_1" (pagedllm on a file), "q4_1"
+    model: Path  # HF folder or GGUF file
+    kwargs: dict  # pagedllm's engine arguments
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.fmt}"
+
+    @property
+    def series(self) -> str:
+        """The chart's bar series: which engine, reading which kind of file."""
+        if self.name == "llama.cpp":
+            return "llama.cpp (GGUF)"
+        return "pagedllm (GGUF)" if self.fmt.startswith("gguf") else "pagedllm (HF folder)"
+
+    @property
+    def family(self) -> str:
+        """The chart's group: formats of the same width side by side."""
+        fmt = self.fmt.removeprefix("gguf ")
+        return {"fp32": "f32", "int8": "8-bit (int8 / q8_0)", "q8_0": "8-bit (int8 / q8_0)"}.get(
+            fmt, fmt
+        )
+
+
+def real_model_engines(folder: Path, precisions: list[str], ggufs: list[Path]) -> list[Engine]:
+    engines = [Engine("pagedllm", p, folder, PRECISIONS[p]) for p in precisions]
+    for path in ggufs:
+        fmt = gguf_format(path)
+        kwargs = {"dtype": GGUF_FLOAT_DTYPES[fmt]} if fmt in GGUF_FLOAT_DTYPES else {}
+        engines.append(Engine("pagedllm", f"gguf {fmt}", path, kwargs))
+    return engines
+
+
+def real_text_tokens(tokenizer_json: Path) -> list[int]:
+    """The quantization calibration's text (pydoc's topics, shipped with Python) tokenized with
+    the model's tokenizer: prompts of real text, the same on every machine."""
+    from tokenizers import Tokenizer
+
+    from pagedllm.layers.quantization import calibration_text
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    return tokenizer.encode(calibration_text(), add_special_tokens=False).ids
+
+
+def real_text_workload(
+    tokens: list[int],
+    count: int,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    seed: int = 0,
+) -> list[Request]:
+    """count requests, each a window of the text at a random place (so prompts share no
+    prefix) with a random output length; lengths inclusive."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(count):
+        length = rng.randint(*prompt_tokens)
+        start = rng.randrange(len(tokens) - length)
+        reqs.append(Request(tokens[start : start + length], rng.randint(*output_tokens)))
+    return reqs
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of the file's weights one decode step reads: every matrix but the token embedding
+    (one row of it is read), and the embedding as well where it is also the LM head (tied:
+    the file has no output.weight). Norms (vectors) are negligible."""
+    from pagedllm.gguf_metadata import open_gguf
+
+    matrices = {t.name: int(t.n_bytes) for t in open_gguf(path).reader.tensors
+                if len(t.shape) == 2}  # fmt: skip
+    embedding = matrices.pop("token_embd.weight")
+    return sum(matrices.values()) + (embedding if "output.weight" not in matrices else 0)
+
+
+def folder_weight_bytes(config: dict, engine_kwargs: dict) -> int:
+    """Bytes of the weights one decode step reads when pagedllm loads the HF folder with these
+    engine arguments: the linear layers and the LM head, in the run dtype or, with int8, one
+    byte per weight and an fp32 scale per output row (the LM head stays in the run dtype)."""
+    import torch
+
+    dtype_bytes = getattr(torch, engine_kwargs["dtype"]).itemsize
+    shapes = linear_shapes(config)
+    head_n, head_k, _ = shapes.pop("lm_head")
+    if engine_kwargs.get("quantization") == "int8":
+        body = sum((n * k + 4 * n) * t for n, k, t in shapes.values())
+    else:
+        body = dtype_bytes * sum(n * k * t for n, k, t in shapes.values())
+    return body + dtype_bytes * head_n * head_k
+
+
+def engine_weight_bytes(engine: Engine, config: dict) -> int:
+    if engine.model.is_dir():
+        return folder_weight_bytes(config, engine.kwargs)
+    return gguf_weight_bytes(engine.model)
+
+
+async def _complete_all(url: str, reqs: list[Request]) -> float:
+    """Every request at once to an OpenAI-style /v1/completions (token-id prompts, greedy,
+    ignore_eos, not streamed); seconds until the last one finished. One short warm-up request
+    first. The same client for both servers."""
+    import httpx
+
+    async def one(client: httpx.AsyncClient, r: Request) -> int:
+        body = {"prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": False}  # fmt: skip
+        resp = await client.post(url + "/v1/completions", json=body)
+        resp.raise_for_status()
+        return int(resp.json()["usage"]["completion_tokens"])
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        await one(client, Request(reqs[0].prompt[:8], 4))
+        start = time.perf_counter()
+        done = await asyncio.gather(*(one(client, r) for r in reqs))
+        elapsed = time.perf_counter() - start
+    if list(done) != [r.output_len for r in reqs]:
+        raise RuntimeError(f"{url} generated other token counts than requested")
+    return elapsed
+
+
+def serve_pagedllm(engine: Engine, reqs: list[Request]) -> tuple[float, str]:
+    """(seconds for all requests, command) through ``pagedllm serve``."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.kwargs.items()]
+    command = " ".join(["pagedllm serve", str(engine.model), *flags])
+    proc, url = start_server(str(engine.model), flags)
+    try:
+        return asyncio.run(_complete_all(url, reqs)), command
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def serve_llama(
+    binary: Path, engine: Engine, reqs: list[Request], threads: int
+) -> tuple[float, str]:
+    """(seconds for all requests, command) through llama-server, a slot per request with
+    room for the longest one."""
+    ctx = max(len(r.prompt) + r.output_len for r in reqs) + 16
+    with LlamaServer(binary, engine.model, threads, len(reqs), ctx) as server:
+        return asyncio.run(_complete_all(server.url, reqs)), " ".join(server.command)
+
+
+def real_model_main(args: argparse.Namespace) -> None:
+    """Batch 1 and serving of SmolLM2 on every format, both engines; the table, JSON, chart."""
+    folder = args.model or default_smollm2_folder()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # pagedllm serve: as many as llama.cpp's
+    config = json.loads((folder / "config.json").read_text())
+    ggufs = list(args.gguf)
+    if not any(gguf_format(g) == "q4_1" for g in ggufs):
+        from pagedllm.models.default_model import fetch_gguf
+
+        ggufs.append(fetch_gguf())  # the file users of either engine download
+    engines = real_model_engines(folder, args.precisions, ggufs)
+    if args.llama_server:
+        engines += [Engine("llama.cpp", gguf_format(g), g, {}) for g in ggufs]
+    scale = 0.25 if args.quick else args.scale
+    out_len = BATCH1_OUTPUT // 4 if args.quick else BATCH1_OUTPUT
+    n_requests = max(1, round(SERVE_REQUESTS * scale))
+    output_range = tuple(max(4, round(n * scale)) for n in SERVE_OUTPUT_TOKENS)
+    rounds = 1 if args.quick else args.batch1_rounds
+
+    results: dict = {
+        "model": str(folder), "cpu": cpu_model(), "cpu_flags": cpu_flags(),
+        "threads": args.threads, "load_start": load_average(), "bandwidth_start": bandwidth(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }  # fmt: skip
+    print(f"{results['cpu']}, {args.threads} threads\nflags: {results['cpu_flags']}\n"
+          f"{results['load_start']}\nread bandwidth "
+          f"{results['bandwidth_start']['read_gb_s']:.1f} GB/s")  # fmt: skip
+    tokens = real_text_tokens(folder / "tokenizer.json")
+    batch1_prompt = real_text_workload(tokens, 1, (BATCH1_PROMPT,) * 2, (out_len,) * 2, 1)[0]
+    reqs = real_text_workload(tokens, n_requests, SERVE_PROMPT_TOKENS, output_range)
+    results["workload"] = {
+        "batch1": f"{BATCH1_PROMPT}-token prompt, {out_len} output tokens, best of {rounds}",
+        "serving": f"{len(reqs)} requests at once, prompts {SERVE_PROMPT_TOKENS[0]}-"
+        f"{SERVE_PROMPT_TOKENS[1]} tokens ({sum(len(r.prompt) for r in reqs)} in all), outputs "
+        f"{output_range[0]}-{output_range[1]} ({sum(r.output_len for r in reqs)} in all), "
+        "greedy, ignore_eos",
+    }
+    start = time.perf_counter()
+    rows = {e.label: {"engine": e.name, "format": e.fmt, "series": e.series, "family": e.family,
+                      "weight_bytes": engine_weight_bytes(e, config), "commands": [],
+                      "batch1_rounds": []} for e in engines}  # fmt: skip
+
+    # Batch 1: the engines take turns, round after round; each keeps its best (see main()).
+    for _ in range(rounds):
+        for e in engines:
+            row = rows[e.label]
+            if e.name == "pagedllm":
+                run = pagedllm_batch1(e.model, e.kwargs, batch1_prompt.prompt, out_len)
+                command = f"LLM({e.model}, {e.kwargs}), {BATCH1_PROMPT}-token prompt"
+                gc.collect()  # the engine's weights go before the next engine loads its own
+            else:
+                # Decode after a prompt of the same length as pagedllm's (-d, untimed).
+                bench = (args.llama_bench, e.model, args.threads, 0, out_len, BATCH1_PROMPT)
+                run = llama_bench(*bench)
+                command = " ".join(llama_bench_command(*bench))
+            row["batch1_rounds"].append(run["decode_tok_s"])
+            row["commands"] = sorted({*row["commands"], command})
+            print(f"[batch 1] {e.label}: {run['decode_tok_s']:.1f} tok/s", flush=True)
+
+    out_tokens = sum(r.output_len for r in reqs)
+    for e in engines:
+        if e.name == "pagedllm":
+            seconds, command = serve_pagedllm(e, reqs)
+        else:
+            seconds, command = serve_llama(args.llama_server, e, reqs, args.threads)
+        rows[e.label]["serving_out_tok_s"] = out_tokens / seconds
+        rows[e.label]["commands"].append(command)
+        print(f"[serving] {e.label}: {out_tokens / seconds:.1f} out tok/s", flush=True)
+
+    results["bandwidth_end"], results["load_end"] = bandwidth(), load_average()
+    results["seconds"] = time.perf_counter() - start
+    # The bound: the fastest bandwidth reading (the machine can do at least that).
+    read = max(results[k]["read_best_gb_s"] for k in ("bandwidth_start", "bandwidth_end")) * 1e9
+    for row in rows.values():
+        row["batch1_tok_s"] = max(row["batch1_rounds"])
+        row["bound_tok_s"] = read / row["weight_bytes"]
+        row["of_bound"] = row["batch1_tok_s"] / row["bound_tok_s"]
+    results["rows"] = rows
+    markdown = real_model_markdown(results)
+    print("\n" + markdown)
+    for path, text in ((args.md, markdown), (args.json, json.dumps(results, indent=2))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    if args.plot:
+        plot_real_model(results, Path(args.plot))
+
+
+def default_smollm2_folder() -> Path:
+    from pagedllm.models.default_model import cache_dir
+
+    folder = cache_dir() / "hf-fp32"
+    if not (folder / "config.json").is_file():
+        raise SystemExit(
+            f"no SmolLM2 folder at {folder}: pass --model, or make it from the GGUF with "
+            "tests/helpers/real_model.py's smollm2_hf_folder()"
+        )
+    return folder
+
+
+def _best(rows: dict, engine: str, key: str) -> tuple[str, float]:
+    """(format, value) of the engine's best row by key."""
+    mine = {r["format"]: r[key] for r in rows.values() if r["engine"] == engine}
+    fmt = max(mine, key=mine.get)
+    return fmt, mine[fmt]
+
+
+FAMILIES = ("f32", "bf16", "8-bit (int8 / q8_0)", "q4_1")  # the table's and chart's order
+SERIES = ("pagedllm (HF folder)", "pagedllm (GGUF)", "llama.cpp (GGUF)")
+
+
+def _row_order(row: dict) -> tuple[int, int, str]:
+    family = FAMILIES.index(row["family"]) if row["family"] in FAMILIES else len(FAMILIES)
+    return family, SERIES.index(row["series"]), row["format"]
+
+
+def real_model_markdown(results: dict) -> str:
+    rows = results["rows"]
+    bw = [results[k] for k in ("bandwidth_start", "bandwidth_end")]
+    lines = [
+        "# SmolLM2-135M-Instruct: pagedllm beside llama.cpp, same weights",
+        "",
+        f"- CPU: {results['cpu']}; flags: {results['cpu_flags']}; {results['threads']} threads",
+        f"- {results['load_start']} at the start, {results['load_end']} at the end "
+        f"({results['seconds'] / 60:.1f} min)",
+        "- read bandwidth (GB/s, mean over a second / fastest call): "
+        f"{bw[0]['read_gb_s']:.1f} / {bw[0]['read_best_gb_s']:.1f} at the start, "
+        f"{bw[1]['read_gb_s']:.1f} / {bw[1]['read_best_gb_s']:.1f} at the end",
+        f"- batch 1: {results['workload']['batch1']}",
+        f"- serving: {results['workload']['serving']}, through each engine's HTTP server "
+        "(/v1/completions)",
+        f"- command: `{results['command']}`",
+        "",
+        "| engine | format | weights MB / token | batch-1 tok/s | bound tok/s | of bound "
+        "| serving out tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows.values(), key=_row_order):
+        lines.append(
+            f"| {row['engine']} | {row['format']} | {row['weight_bytes'] / 1e6:.1f} "
+            f"| {row['batch1_tok_s']:.1f} | {row['bound_tok_s']:.1f} "
+            f"| {100 * row['of_bound']:.0f}% | {row['serving_out_tok_s']:.1f} |"
+        )
+    lines += ["", "Bound: the fastest read bandwidth reading / weight bytes per decoded token "
+              "(linear layers and LM head as the format stores them; the tied LM head is the "
+              "embedding)."]  # fmt: skip
+    if any(r["engine"] == "llama.cpp" for r in rows.values()):
+        for key, what in (("batch1_tok_s", "batch 1"), ("serving_out_tok_s", "serving")):
+            ours, theirs = _best(rows, "pagedllm", key), _best(rows, "llama.cpp", key)
+            lines.append(f"- {what}: best pagedllm ({ours[0]}) {ours[1]:.1f} / best llama.cpp "
+                         f"({theirs[0]}) {theirs[1]:.1f} = {ours[1] / theirs[1]:.2f}x")  # fmt: skip
+    lines += ["", "Commands:", ""]
+    lines += [f"- `{c}`" for row in rows.values() for c in row["commands"]]
+    return "\n".join(lines)
+
+
+def plot_real_model(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(results["rows"].values(), key=_row_order)
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    series = [s for s in SERIES if any(r["series"] == s for r in rows)]
+    colors = dict(zip(SERIES, ("tab:blue", "tab:cyan", "tab:orange")))
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    panels = (("batch1_tok_s", "one user: decode tok/s"),
+              ("serving_out_tok_s", f"serving: {results['workload']['serving'].split(',')[0]}, "
+               "out tok/s"))  # fmt: skip
+    for ax, (key, title) in zip(axes, panels):
+        for i, name in enumerate(series):
+            offset = (i - (len(series) - 1) / 2) * width
+            mine = [(families.index(r["family"]) + offset, r[key]) for r in rows
+                    if r["series"] == name]  # fmt: skip
+            xs, ys = zip(*mine)
+            bars = ax.bar(xs, ys, width=width, label=name, color=colors[name])
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks(range(len(families)), families, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("tokens / s")
+        ax.margins(y=0.1)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(series),
+               fontsize=8, frameon=False)  # fmt: skip
+    loads = [results[k].removeprefix("load average ") for k in ("load_start", "load_end")]
+    fig.suptitle(f"SmolLM2-135M-Instruct, same weights, on {results['cpu']} "
+                 f"({results['threads']} threads; {results['cpu_flags']})\n"
+                 f"load average (1, 5, 15 min) {loads[0]} at the start, {loads[1]} at the end",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"chart: {path}")
+
+
 # ---- the run ---------------------------------------------------------------------------------
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.real_model:
+        real_model_main(args)
+        return
     model = args.model or build_bench_model(default_model_dir())
     scale = 0.25 if args.quick else args.scale
     hf_sizes = args.hf_batch_sizes or ([8, 16] if args.quick else [8, 16, 32, 64])
-    results: dict = {"machine": machine(), "cpu_flags": _cpu_flags(), "load": _load()}
+    results: dict = {"machine": machine(), "cpu_flags": cpu_flags(), "load": load_average()}
     print(f"machine: {results['machine']}\nflags: {results['cpu_flags']}\nload: {results['load']}")
     start = time.perf_counter()
 
@@ -291,7 +710,8 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {}
     for _ in range(args.batch1_rounds):
         for prec in args.precisions:
-            run = pagedllm_batch1(model, prec, 128, 128)
+            prompt = make_workload("uniform", seed=1)[0].prompt[:128]
+            run = pagedllm_batch1(model, PRECISIONS[prec], prompt, 128)
             rounds.setdefault(f"pagedllm {prec}", []).append(run)
         for gguf in args.gguf if args.llama_bench else []:
             run = llama_bench(args.llama_bench, gguf, args.threads, 128, 128)
@@ -315,12 +735,28 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="default: the 125M bench model")
+    ap.add_argument(
+        "--real-model",
+        action="store_true",
+        help="SmolLM2-135M-Instruct instead: batch 1 and 48 requests through both servers, "
+        "every format (--precisions from the HF folder, each --gguf file and the Q4_1 file)",
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="default: the 125M bench model (--real-model: the SmolLM2 HF folder in the cache)",
+    )
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
     ap.add_argument("--hf-batch-sizes", nargs="+", type=int, default=None)
     ap.add_argument("--scale", type=float, default=1.0, help="share of each workload's requests")
-    ap.add_argument("--quick", action="store_true", help="--scale 0.25, HF batches 8 and 16")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="--scale 0.25, HF batches 8 and 16 (--real-model: a quarter of the requests and "
+        "output tokens, one batch-1 round)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--peak-seconds", type=float, default=0.2, help="per GEMM shape")
     ap.add_argument(
@@ -332,31 +768,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--llama-server", type=Path, default=None)
     ap.add_argument("--llama-bench", type=Path, default=None, help="default: beside the server")
     ap.add_argument("--gguf", type=Path, nargs="*", default=[])
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compare.json"))
-    ap.add_argument("--plot", default="docs/compare.png", help="chart PNG ('' for none)")
+    ap.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/"
+                    "compare.json (--real-model: compare_smollm2.json)")  # fmt: skip
+    ap.add_argument("--md", type=Path, default=Path("benchmarks/results/compare_smollm2.md"),
+                    help="--real-model: the markdown table")  # fmt: skip
+    ap.add_argument("--plot", default=None, help="chart PNG ('' for none; default: docs/"
+                    "compare.png, --real-model: docs/compare_smollm2.png)")  # fmt: skip
     args = ap.parse_args()
+    stem = "compare_smollm2" if args.real_model else "compare"
+    args.json = args.json or Path(f"benchmarks/results/{stem}.json")
+    args.plot = f"docs/{stem}.png" if args.plot is None else args.plot
     if args.gguf and args.llama_server is None:
         ap.error("--gguf needs --llama-server")
     if args.llama_server and args.llama_bench is None:
         bench = args.llama_server.parent / "llama-bench"
         args.llama_bench = bench if bench.exists() else None
     return args
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])  # fmt: skip
-    keep = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-            "avx512_bf16", "amx_int8", "amx_bf16")  # fmt: skip
-    return " ".join(f for f in flags if f in keep)
-
-
-def _load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # ---- output ----------------------------------------------------------------------------------
