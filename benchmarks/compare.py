@@ -67,6 +67,7 @@ PRECISIONS = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},  # what dtype "auto" picks on a CPU with AVX-512 BF16
     "int8": {"dtype": "float32", "quantization": "int8"},
+    "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"},  # int8 layers, bf16 LM head
 }
 
 
@@ -343,9 +344,8 @@ class Engine:
     def family(self) -> str:
         """The chart's group: formats of the same width side by side."""
         fmt = self.fmt.removeprefix("gguf ")
-        return {"fp32": "f32", "int8": "8-bit (int8 / q8_0)", "q8_0": "8-bit (int8 / q8_0)"}.get(
-            fmt, fmt
-        )
+        eight = "8-bit (int8 / q8_0)"
+        return {"fp32": "f32", "int8": eight, "int8-bf16": eight, "q8_0": eight}.get(fmt, fmt)
 
 
 def real_model_engines(folder: Path, precisions: list[str], ggufs: list[Path]) -> list[Engine]:
@@ -639,9 +639,11 @@ def plot_real_model(results: dict, path: Path) -> None:
     for ax, (key, title) in zip(axes, panels):
         for i, name in enumerate(series):
             offset = (i - (len(series) - 1) / 2) * width
-            mine = [(families.index(r["family"]) + offset, r[key]) for r in rows
-                    if r["series"] == name]  # fmt: skip
-            xs, ys = zip(*mine)
+            best: dict[str, float] = {}  # the faster of two settings of one format (int8)
+            for r in rows:
+                if r["series"] == name:
+                    best[r["family"]] = max(best.get(r["family"], 0.0), r[key])
+            xs, ys = zip(*[(families.index(f) + offset, v) for f, v in best.items()])
             bars = ax.bar(xs, ys, width=width, label=name, color=colors[name])
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.set_xticks(range(len(families)), families, fontsize=8)
