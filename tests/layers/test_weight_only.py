@@ -183,5 +183,24 @@ def test_repacked_weights_run_in_a_layer_and_stack_by_rows():
     assert torch.equal(swapped.dequantize(), merged.dequantize()[order])
     with pytest.raises(ValueError, match="packed weight"):
         install_packed(ReplicatedLinear(64, 8), merged)
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
-        gguf_repack.repack(np.zeros((2, 20), np.uint8), 12)
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0, Q4_K"):
+        gguf_repack.repack(np.zeros((2, 20), np.uint8), 14)  # Q6_K
+
+
+def test_q4_k_super_blocks_repack_exactly():
+    """Q4_K (random bytes are valid blocks: any scales, mins and nibbles): group-32 int4 equal
+    to gguf's own dequantization bit for bit, and the kernel runs it."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(4)
+    rows, features = 24, 512
+    data = rng.integers(0, 256, (rows, features // 256 * 144), dtype=np.uint8)
+    constants = data.reshape(rows, -1, 144)[:, :, :4].view(np.float16)
+    constants[:] = rng.uniform(0.001, 0.05, constants.shape).astype(np.float16)  # d, dmin
+    packed = gguf_repack.repack(data, int(gguf.GGMLQuantizationType.Q4_K))
+    assert packed.bits == 4 and packed.group == 32 and packed.shape == (rows, features)
+    want = torch.from_numpy(np.array(dequantize(data, gguf.GGMLQuantizationType.Q4_K)))
+    assert torch.equal(packed.dequantize(), want.float())
+    x = torch.randn(3, features)
+    assert torch.allclose(weight_only.kernel_linear(x, packed), _reference(x, packed), atol=1e-3)

@@ -1,4 +1,4 @@
-"""A GGUF file's quantized tensors kept in their blocks: Q4_0 / Q4_1 / Q8_0 weights of the
+"""A GGUF file's quantized tensors kept in their blocks: Q4_0 / Q4_1 / Q4_K / Q8_0 weights of the
 linear layers, the LM head and the token embedding become packed weight-only weights
 (layers/gguf_repack.py copies their codes byte for byte), so the model holds about the bytes
 of the file and its products run on the weight-only kernels. Tensors of other types (norms,

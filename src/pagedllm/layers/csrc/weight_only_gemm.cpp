@@ -44,7 +44,7 @@ namespace {
 constexpr int kBlock = 32;              // features per block of x and of the codes
 constexpr int kTileM = 4;               // rows of x per pass over a few weight rows
 constexpr int64_t kKernelMaxRows = 16;  // beyond this the slab path (GEMM) is faster
-constexpr int64_t kSlabElements = 1 << 20;  // weights dequantized per slab (4 MiB fp32)
+constexpr int64_t kSlabElements = 1 << 22;  // weights dequantized per slab (16 MiB fp32)
 
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -524,7 +524,79 @@ void integer_product(Isa i, const Weight& w, const float* xf, int64_t m, float* 
 }
 
 // ---- many rows: dequantized slabs and ATen's GEMM -----------------------------------------------
+#if PAGEDLLM_X86 && defined(__GNUC__)
+// Rows [n0, n1) as fp32, 8 lanes at a time (the slab path's cost beside its GEMM).
+__attribute__((target("avx2,fma"))) void dequantize_rows_avx2(const Weight& w, int64_t n0,
+                                                              int64_t n1, float* out) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      const uint8_t* src = w.block(n, b);
+      const int64_t g = n * w.groups + w.group_of[b];
+      const __m256 s = _mm256_set1_ps(w.scale[g]);
+      float* dst = out + (n - n0) * w.k + b * kBlock;
+      if (w.int4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        const __m128i low = _mm_and_si128(bytes, mask);
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        const __m256 off = _mm256_set1_ps(w.offset[g]);
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, off));
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
+          _mm256_storeu_ps(dst + 8 * i,
+                           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s));
+        }
+      }
+    }
+}
+
+// The same rows straight into bf16 (AVX-512 BF16's rounding to nearest even, as ATen's
+// conversion does), for a bf16 x: no fp32 tile to convert.
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bf16"))) void dequantize_rows_bf16(
+    const Weight& w, int64_t n0, int64_t n1, at::BFloat16* out) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      const uint8_t* src = w.block(n, b);
+      const int64_t g = n * w.groups + w.group_of[b];
+      const __m256 s = _mm256_set1_ps(w.scale[g]);
+      __m256 v[4];
+      if (w.int4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        const __m128i low = _mm_and_si128(bytes, mask);
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        const __m256 off = _mm256_set1_ps(w.offset[g]);
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        for (int i = 0; i < 4; ++i)
+          v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, off);
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
+          v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
+        }
+      }
+      at::BFloat16* dst = out + (n - n0) * w.k + b * kBlock;
+      for (int i = 0; i < 4; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * i),
+                         reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v[i])));
+    }
+}
+
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return cpu_runs(Isa::kAvx2) && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("avx512vl");
+}
+#endif
+
 void dequantize_rows(const Weight& w, int64_t n0, int64_t n1, float* out) {
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  if (cpu_runs(Isa::kAvx2)) return dequantize_rows_avx2(w, n0, n1, out);
+#endif
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) {
       const uint8_t* src = w.block(n, b);
@@ -546,14 +618,26 @@ void dequantize_rows(const Weight& w, int64_t n0, int64_t n1, float* out) {
 at::Tensor slab_linear(const at::Tensor& x, const Weight& w) {
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   const int64_t step = std::max<int64_t>(16, kSlabElements / w.k);
-  at::Tensor tile = at::empty({std::min(step, w.n), w.k}, x.options().dtype(at::kFloat));
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  static const bool bf16_tiles = cpu_has_bf16();
+#else
+  constexpr bool bf16_tiles = false;
+#endif
+  const bool direct = bf16_tiles && x.scalar_type() == at::kBFloat16;
+  at::Tensor tile = at::empty({std::min(step, w.n), w.k},
+                              x.options().dtype(direct ? at::kBFloat16 : at::kFloat));
   for (int64_t start = 0; start < w.n; start += step) {
     const int64_t stop = std::min(w.n, start + step);
-    float* out = tile.data_ptr<float>();
     at::parallel_for(start, stop, 16, [&](int64_t a, int64_t b) {
-      dequantize_rows(w, a, b, out + (a - start) * w.k);
+#if PAGEDLLM_X86 && defined(__GNUC__)
+      if (direct)
+        return dequantize_rows_bf16(w, a, b, tile.data_ptr<at::BFloat16>() + (a - start) * w.k);
+#endif
+      dequantize_rows(w, a, b, tile.data_ptr<float>() + (a - start) * w.k);
     });
-    const at::Tensor slab = tile.narrow(0, 0, stop - start).to(x.scalar_type());
+    at::Tensor slab = tile.narrow(0, 0, stop - start);
+    if (!direct) slab = slab.to(x.scalar_type());
+    if (stop - start == w.n) return at::mm(x, slab.t());  // the whole weight in one slab
     y.narrow(1, start, stop - start).copy_(at::mm(x, slab.t()));
   }
   return y;
