@@ -343,7 +343,7 @@ class Engine:
     @property
     def family(self) -> str:
         """The chart's group: formats of the same width side by side."""
-        fmt = self.fmt.removeprefix("gguf ")
+        fmt = self.fmt.removeprefix("gguf ").removesuffix("-bf16")
         eight = "8-bit (int8 / q8_0)"
         return {"fp32": "f32", "int8": eight, "int8-bf16": eight, "q8_0": eight}.get(fmt, fmt)
 
@@ -352,8 +352,13 @@ def real_model_engines(folder: Path, precisions: list[str], ggufs: list[Path]) -
     engines = [Engine("pagedllm", p, folder, PRECISIONS[p]) for p in precisions]
     for path in ggufs:
         fmt = gguf_format(path)
-        kwargs = {"dtype": GGUF_FLOAT_DTYPES[fmt]} if fmt in GGUF_FLOAT_DTYPES else {}
-        engines.append(Engine("pagedllm", f"gguf {fmt}", path, kwargs))
+        if fmt in GGUF_FLOAT_DTYPES:
+            engines.append(
+                Engine("pagedllm", f"gguf {fmt}", path, {"dtype": GGUF_FLOAT_DTYPES[fmt]})
+            )
+            continue
+        engines.append(Engine("pagedllm", f"gguf {fmt}", path, {}))  # blocks kept, fp32 x
+        engines.append(Engine("pagedllm", f"gguf {fmt}-bf16", path, {"dtype": "bfloat16"}))
     return engines
 
 

@@ -128,10 +128,6 @@ def gguf_config_dict(file: GGUFFile) -> dict[str, Any]:
     ):
         del raw["head_dim"]  # Qwen2's config.json has none: hidden_size / heads
     raw["tie_word_embeddings"] = "output.weight" not in file.tensor_names
-    # The compute dtype "auto" picks: float32 for a float32 file; for quantized or 16-bit
-    # weights bfloat16 (config.py keeps float32 on a CPU without native bf16 products).
-    matrices = [t for t in file.reader.tensors if len(t.shape) > 1]
-    raw["torch_dtype"] = "float32" if all(t.tensor_type == 0 for t in matrices) else "bfloat16"
     _rope_scaling(file, raw)
     if file.arch == "gemma3":
         _gemma3_fields(file, raw)

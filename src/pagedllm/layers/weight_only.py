@@ -9,16 +9,11 @@ of 32 that divides K):
   byte j of a block holds feature j (low nibble) and feature j + 16 (high nibble), GGUF's
   Q4_0 / Q4_1 order, so those files repack by copying bytes (:mod:`pagedllm.layers.gguf_repack`).
 
-Activations stay in full precision (fp32, bf16 or fp16) outside the product. A few rows
-(decode) run the C++ kernel's integer path: each row of x is rounded per block of 32 features
-to int16 steps of the block's absolute maximum / 32767 (``x_bits=16``, the default: finer
-than bf16's own rounding, so the answers are those of the full-precision activations), or to
-int8 steps (``x_bits=8``, llama.cpp's Q8 activations: about 10% faster on SmolLM2's
-decoder, but enough to flip its near-ties), and every block product is an exact integer dot
-product (VNNI, or AVX2's multiply-add pairs) scaled once. :func:`round_activations` is that
-rounding in torch (the tests' reference). Many rows (prefill) dequantize a slab of output
-rows at a time into a small scratch tile and multiply it with BLAS in x's dtype. No call
-ever holds a dequantized copy of the whole weight.
+Activations stay in full precision (fp32, bf16 or fp16). A few rows (decode) run the C++
+kernel, which unpacks each block in registers, so x is never rounded; many rows (prefill,
+large decode batches) dequantize a slab of output rows at a time into a scratch tile (in C++:
+straight into bf16 for a bf16 x where the CPU converts natively) and multiply it with BLAS in
+x's dtype. No call ever holds a dequantized copy of the whole weight.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ from pagedllm.cpp_build import load_cpp_ops
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "weight_only_gemm.cpp"
-ISAS = ("avx512_vnni", "avx2", "scalar")
+ISAS = ("avx512", "avx2", "scalar")
 BLOCK = 32  # features per packed block; group sizes are multiples of it
 KERNEL_MAX_ROWS = 16  # beyond this many rows the slab path (BLAS) is faster (the C++ one too)
 _SLAB_ELEMENTS = 1 << 20  # weights dequantized per slab on the many-row path (4 MiB fp32)
@@ -60,7 +55,7 @@ def load() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernel runs on this CPU: avx512_vnni | avx2 | scalar."""
+    """The instruction set the kernel runs on this CPU: avx512 | avx2 | scalar."""
     load()
     return torch.ops.pagedllm_wo.isa()
 
@@ -153,33 +148,19 @@ def quantize(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
 
 
 # ---- the product ---------------------------------------------------------------------------
-def round_activations(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
-    """x [M, K] as the kernel's integer path sees it: each block of 32 features rounded to
-    steps of its absolute maximum / 127 (bits 8) or / 32767 (bits 16), in fp32."""
-    levels = float(2 ** (bits - 1) - 1)
-    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # levels / amax as a true division (the scalar-first form multiplies by a reciprocal)
-    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
-    q = (blocks * inv).clamp_(-levels, levels).round_()
-    return (q * (amax / levels)).reshape(x.shape)
-
-
 def kernel_linear(
     x: torch.Tensor,
     weight: PackedWeight,
     bias: torch.Tensor | None = None,
     isa: str | None = None,
-    x_bits: int = 16,
 ) -> torch.Tensor:
-    """x [M, K] (fp32 / bf16 / fp16) -> [M, N] in x's dtype through the C++ op: up to
-    KERNEL_MAX_ROWS rows the integer path (x rounded per block to x_bits), dequantized slabs
-    beyond. isa forces an instruction set the CPU runs (tests);
-    None takes the best."""
+    """x [M, K] (fp32 / bf16 / fp16) -> [M, N] in x's dtype through the C++ op: the weight
+    unpacked in registers up to KERNEL_MAX_ROWS rows, dequantized slabs beyond. isa forces an
+    instruction set the CPU runs (tests); None takes the best."""
     if not load():
         raise RuntimeError("the C++ weight-only kernel could not be built on this machine")
     return torch.ops.pagedllm_wo.weight_only_linear(
-        x, weight.qweight, weight.scale, weight.offset, weight.bits, bias, isa, x_bits
+        x, weight.qweight, weight.scale, weight.offset, weight.bits, bias, isa
     )
 
 
@@ -196,10 +177,8 @@ def slab_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
     return out if bias is None else out.add_(bias)
 
 
-def linear(
-    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, x_bits: int = 16
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear)."""
     if x.device.type == "cpu" and load():
-        return kernel_linear(x, weight, bias, x_bits=x_bits)
+        return kernel_linear(x, weight, bias)
     return slab_linear(x, weight, bias)

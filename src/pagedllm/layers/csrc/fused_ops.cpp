@@ -397,7 +397,7 @@ using Int8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::
 using WeightOnlyLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const c10::optional<at::Tensor>&, int64_t,
                                       const c10::optional<at::Tensor>&,
-                                      const c10::optional<std::string>&, int64_t);
+                                      const c10::optional<std::string>&);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
@@ -449,7 +449,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
     const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
                                                               : c10::nullopt;
     at::Tensor y = weight_only_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
-                                                c10::nullopt, 16);  // weight_only.linear's x
+                                                c10::nullopt);
     return bias.defined() ? y + bias : y;
   }
   if (!rowsum.defined()) {
