@@ -163,7 +163,7 @@ def plot_quant_methods(out: Path) -> None:
     axes[1].set_xticks(rows)
     axes[1].set_xlabel("rows (tokens) per product")
     axes[1].set_ylabel("microseconds per call")
-    axes[1].set_title("one gate_up product, 576 -> 3072 (load 1.5-1.7)", fontsize=10)
+    axes[1].set_title("one gate_up product, 576 -> 3072 (load 0.8)", fontsize=10)
     axes[1].legend(fontsize=8)
     axes[1].grid(alpha=0.3)
 
@@ -174,7 +174,7 @@ def plot_quant_methods(out: Path) -> None:
     axes[2].invert_yaxis()
     axes[2].set_xlim(0, max(speed) * 1.18)
     axes[2].set_xlabel("output tokens / s, one request")
-    axes[2].set_title("SmolLM2 engine decode, batch 1 (load 1.5)", fontsize=10)
+    axes[2].set_title("SmolLM2 engine decode, batch 1 (load 1.2-1.6)", fontsize=10)
     axes[2].tick_params(axis="y", labelsize=8)
 
     fig.suptitle("int8 and int4 on SmolLM2-135M-Instruct and the demo model")
