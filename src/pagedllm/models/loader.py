@@ -176,6 +176,9 @@ def load_model(
         tensors = source.iterate_tensors()  # type: ignore[attr-defined]
         rest, installed = install_gguf_blocks(model, tensors, dtype, resolve_name)
         load_weights(model, rest, installed)
+        from pagedllm.layers.quantization import describe
+
+        logger.info("quantization (gguf blocks): %s", describe(model))
     else:
         load_weights(model, source.iterate_weights(dtype))
     if quant is not None:
