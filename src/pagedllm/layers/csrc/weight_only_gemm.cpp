@@ -102,14 +102,14 @@ void unpack_scalar(const Operands& o, int64_t n, int64_t b, float* w) {
   const int64_t g = o.group_of[b], groups = o.groups;
   const float s = o.scale[n * groups + g];
   if (o.int4) {
-    const uint8_t* src = o.q + n * (o.k / 2) + b * (kBlock / 2);
+    const uint8_t* src = o.block(n, b);
     const float off = o.offset[n * groups + g];
     for (int j = 0; j < kBlock / 2; ++j) {
       w[j] = float(src[j] & 0xF) * s + off;
       w[j + kBlock / 2] = float(src[j] >> 4) * s + off;
     }
   } else {
-    const int8_t* src = reinterpret_cast<const int8_t*>(o.q) + n * o.k + b * kBlock;
+    const int8_t* src = reinterpret_cast<const int8_t*>(o.block(n, b));
     for (int j = 0; j < kBlock; ++j) w[j] = float(src[j]) * s;
   }
 }
@@ -139,7 +139,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void unpack_avx512(const Oper
   const __m512 s = _mm512_set1_ps(o.scale[n * groups + g]);
   if (o.int4) {
     const __m128i bytes = _mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(o.q + n * (o.k / 2) + b * (kBlock / 2)));
+        reinterpret_cast<const __m128i*>(o.block(n, b)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(bytes, mask);
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
@@ -147,7 +147,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void unpack_avx512(const Oper
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), s, off);
     hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), s, off);
   } else {
-    const int8_t* src = reinterpret_cast<const int8_t*>(o.q) + n * o.k + b * kBlock;
+    const int8_t* src = reinterpret_cast<const int8_t*>(o.block(n, b));
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)), s);
@@ -186,7 +186,7 @@ __attribute__((target("avx2,fma"))) inline void unpack_avx2(const Operands& o, i
   const __m256 s = _mm256_set1_ps(o.scale[n * groups + g]);
   if (o.int4) {
     const __m128i bytes = _mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(o.q + n * (o.k / 2) + b * (kBlock / 2)));
+        reinterpret_cast<const __m128i*>(o.block(n, b)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(bytes, mask);
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
@@ -195,7 +195,7 @@ __attribute__((target("avx2,fma"))) inline void unpack_avx2(const Operands& o, i
     for (int i = 0; i < 4; ++i)
       w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, off);
   } else {
-    const int8_t* src = reinterpret_cast<const int8_t*>(o.q) + n * o.k + b * kBlock;
+    const int8_t* src = reinterpret_cast<const int8_t*>(o.block(n, b));
     for (int i = 0; i < 4; ++i) {
       const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
       w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s);
@@ -272,32 +272,16 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 
 // ---- many rows: dequantized slabs and ATen's GEMM -----------------------------------------------
 #if PAGEDLLM_X86 && defined(__GNUC__)
-// Rows [n0, n1) as fp32, 8 lanes at a time (the slab path's cost beside its GEMM).
+// Rows [n0, n1) as fp32 through the kernel's own block unpacking (the slab path's cost beside
+// its GEMM).
 __attribute__((target("avx2,fma"))) void dequantize_rows_avx2(const Operands& w, int64_t n0,
                                                               int64_t n1, float* out) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 v[4];
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) {
-      const uint8_t* src = w.block(n, b);
-      const int64_t g = n * w.groups + w.group_of[b];
-      const __m256 s = _mm256_set1_ps(w.scale[g]);
+      unpack_avx2(w, n, b, v);
       float* dst = out + (n - n0) * w.k + b * kBlock;
-      if (w.int4) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-        const __m128i low = _mm_and_si128(bytes, mask);
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m256 off = _mm256_set1_ps(w.offset[g]);
-        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-        for (int i = 0; i < 4; ++i)
-          _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(
-              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, off));
-      } else {
-        for (int i = 0; i < 4; ++i) {
-          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
-          _mm256_storeu_ps(dst + 8 * i,
-                           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s));
-        }
-      }
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + 8 * i, v[i]);
     }
 }
 
@@ -305,27 +289,10 @@ __attribute__((target("avx2,fma"))) void dequantize_rows_avx2(const Operands& w,
 // conversion does), for a bf16 x: no fp32 tile to convert.
 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bf16"))) void dequantize_rows_bf16(
     const Operands& w, int64_t n0, int64_t n1, at::BFloat16* out) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 v[4];
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) {
-      const uint8_t* src = w.block(n, b);
-      const int64_t g = n * w.groups + w.group_of[b];
-      const __m256 s = _mm256_set1_ps(w.scale[g]);
-      __m256 v[4];
-      if (w.int4) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-        const __m128i low = _mm_and_si128(bytes, mask);
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m256 off = _mm256_set1_ps(w.offset[g]);
-        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-        for (int i = 0; i < 4; ++i)
-          v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, off);
-      } else {
-        for (int i = 0; i < 4; ++i) {
-          const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
-          v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
-        }
-      }
+      unpack_avx2(w, n, b, v);
       at::BFloat16* dst = out + (n - n0) * w.k + b * kBlock;
       for (int i = 0; i < 4; ++i)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * i),
@@ -342,24 +309,12 @@ bool cpu_has_bf16() {
 
 void dequantize_rows(const Operands& w, int64_t n0, int64_t n1, float* out) {
 #if PAGEDLLM_X86 && defined(__GNUC__)
-  if (cpu_runs(Isa::kAvx2)) return dequantize_rows_avx2(w, n0, n1, out);
+  static const bool avx2 = cpu_runs(Isa::kAvx2);
+  if (avx2) return dequantize_rows_avx2(w, n0, n1, out);
 #endif
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < w.k / kBlock; ++b) {
-      const uint8_t* src = w.block(n, b);
-      const int64_t g = n * w.groups + w.group_of[b];
-      const float s = w.scale[g];
-      float* dst = out + (n - n0) * w.k + b * kBlock;
-      if (w.int4) {
-        const float off = w.offset[g];
-        for (int j = 0; j < kBlock / 2; ++j) {
-          dst[j] = float(src[j] & 0xF) * s + off;
-          dst[j + kBlock / 2] = float(src[j] >> 4) * s + off;
-        }
-      } else {
-        for (int j = 0; j < kBlock; ++j) dst[j] = float(int8_t(src[j])) * s;
-      }
-    }
+    for (int64_t b = 0; b < w.k / kBlock; ++b)
+      unpack_scalar(w, n, b, out + (n - n0) * w.k + b * kBlock);
 }
 
 at::Tensor slab_linear(const at::Tensor& x, const Operands& w) {
