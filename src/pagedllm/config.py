@@ -59,7 +59,7 @@ class ModelConfig:
     seed: int
     layer_range: tuple[int, int] | None = None  # decoder layers of a partition tier; None: all
     quant_config: QuantConfig | None = None  # int8 quantization; None: full precision
-    gguf_blocks: bool = False  # a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks
+    gguf_blocks: bool = False  # a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors kept in their blocks
     generation_config: str | None = None  # folder whose generation_config.json sets defaults
 
     @property
@@ -321,8 +321,8 @@ class EngineArgs:
         None,
         "None | int8 (int8 x int8 products, down_proj int8 weight-only, LM head and embedding "
         "kept) | int4 (weight-only, group scales; vLLM's rtn at 4 bits) | gguf (a GGUF file's "
-        "Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks: what None does for a GGUF file on a "
-        "CPU) | none (a GGUF file dequantized to --dtype)",
+        "Q4_0 / Q4_1 / Q4_K / Q8_0 tensors kept in their blocks: what None does for a GGUF "
+        "file on a CPU) | none (a GGUF file dequantized to --dtype)",
     )
     device: str = _arg("auto", "auto | cpu | cuda")
     attention_backend: str | None = _arg(

@@ -2,7 +2,7 @@
 linear layers, the LM head and the token embedding become packed weight-only weights
 (layers/gguf_repack.py copies their codes byte for byte), so the model holds about the bytes
 of the file and its products run on the weight-only kernels. Tensors of other types (norms,
-K-quants) are dequantized to the model's dtype and loaded as usual.
+Q6_K and the other K-quants) are dequantized to the model's dtype and loaded as usual.
 
 The parts of a projection fused here (q, k, v into qkv_proj; gate and up into gate_up_proj)
 are stacked by rows once all of them are read.

@@ -170,20 +170,21 @@ def load_model(
         quant = DynamicQuantConfig.from_config(config.quant_config)
         quant.prepare_checkpoint(model)  # int8 parameters, when the checkpoint holds int8
     source, dtype = open_source(config.model), torch_dtype(config.dtype)
+    method = None  # what the startup log names the quantization
     if config.gguf_blocks and config.layer_range is None and comm.world_size == 1:
         from pagedllm.models.gguf_blocks import install_gguf_blocks
 
         tensors = source.iterate_tensors()  # type: ignore[attr-defined]
         rest, installed = install_gguf_blocks(model, tensors, dtype, resolve_name)
         load_weights(model, rest, installed)
-        from pagedllm.layers.quantization import describe
-
-        logger.info("quantization (gguf blocks): %s", describe(model))
+        method = "gguf blocks"
     else:
         load_weights(model, source.iterate_weights(dtype))
     if quant is not None:
+        quant.finish_loading(model)  # calibrated on model.calibration_folder's tokenizer
+        method = quant.quant_dtype
+    if method is not None:
         from pagedllm.layers.quantization import describe
 
-        quant.finish_loading(model)  # calibrated on model.calibration_folder's tokenizer
-        logger.info("quantization (%s): %s", quant.quant_dtype, describe(model))
+        logger.info("quantization (%s): %s", method, describe(model))
     return model.eval()
