@@ -94,6 +94,12 @@ def PAGEDLLM_CPU_FUSED_OPS() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"
 
 
+def PAGEDLLM_CPU_PANEL_WEIGHTS() -> bool:  # noqa: N802
+    """Store CPU float linear weights in panels for the C++ panel GEMM (default on where the
+    CPU has AVX-512); 0 keeps them plain (the one-row GEMV and ATen's GEMM), e.g. to A/B it."""
+    return os.environ.get("PAGEDLLM_CPU_PANEL_WEIGHTS", "1") != "0"
+
+
 def PAGEDLLM_CPU_FUSED_DECODER() -> bool:  # noqa: N802
     """Run a CPU model's decoder layers in one C++ call per step (default on; needs the fused
     ops); 0 runs them module by module in Python (the same kernels, the same results)."""

@@ -13,7 +13,15 @@ def async_reduces(runner) -> int:  # noqa: ANN001 - runs on every rank via colle
 
 
 def parameter_shapes(runner) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
-    return {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+    """Each parameter's shape; a linear weight kept in panels reports its plain [N, K]."""
+    from pagedllm.layers.panel_gemm import unpack
+
+    shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+    for name, module in runner.model.named_modules():
+        panels = getattr(module, "weight_panels", None)
+        if panels is not None:
+            shapes[f"{name}.weight"] = tuple(unpack(panels).shape)
+    return shapes
 
 
 def generate_both_ways(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

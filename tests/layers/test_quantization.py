@@ -227,10 +227,14 @@ def test_config_validation():
 
 
 def _llama(model_factory):
+    """The tiny model loaded, its weights plain: these tests edit and smooth them."""
+    from pagedllm.layers.panel_gemm import unpack_layers
     from pagedllm.models.loader import load_model
 
     config = EngineArgs(model=str(model_factory("llama")), dtype="float32").create_engine_config()
-    return load_model(config.model, torch.device("cpu"))
+    model = load_model(config.model, torch.device("cpu"))
+    unpack_layers(model.modules())
+    return model
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedllm.distributed.communicator import Communicator
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.layers import cpu_fused
+from pagedllm.layers import cpu_fused, panel_gemm
 from pagedllm.layers.custom_op import current_target
 
 
@@ -35,14 +35,25 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
         self.cpu_gemv = current_target().uses_cpu_kernels(dtype)  # the LM head's decode rows
+        # after loading, a CPU float weight may move into panels (panel_gemm.pack_model)
+        self.register_buffer("weight_panels", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         part = loaded[self.start : self.start + self.rows]
         param.data[: part.shape[0]].copy_(part)
         param.data[part.shape[0] :].zero_()
 
+    def packs_into_panels(self) -> bool:
+        """A float table (not a quantized class) whose loaded CPU weight splits into panels."""
+        plain = (
+            type(self) in (VocabParallelEmbedding, ParallelLMHead) and self.weight_panels is None
+        )
+        return plain and panel_gemm.packable(self.weight)
+
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's slice: [n] local ids -> [n, hidden]."""
+        if self.weight_panels is not None:
+            return panel_gemm.rows(self.weight_panels, local_ids)
         return F.embedding(local_ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -59,6 +70,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary slice of each rank, gathered into the full vocabulary."""
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, rows]
+        if self.weight_panels is not None:
+            return panel_gemm.linear(hidden, self.weight_panels, None)
         if self.cpu_gemv and cpu_fused.gemv_takes(hidden):  # a few rows on the CPU (decode)
             return cpu_fused.gemv(hidden, self.weight, None)
         return F.linear(hidden, self.weight)

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedllm.distributed.communicator import Communicator
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.layers import cpu_fused
+from pagedllm.layers import cpu_fused, panel_gemm
 from pagedllm.layers.custom_op import current_target
 
 
@@ -36,13 +36,23 @@ class LinearBase(nn.Module):
         self.bias = _param(out_local, dtype=dtype, loader=self.weight_loader) if bias else None
         # chosen once: decode rows on a CPU take the C++ GEMV (a float weight of this dtype)
         self.cpu_gemv = current_target().uses_cpu_kernels(dtype)
+        # after loading, a CPU float weight may move into panels (panel_gemm.pack_model)
+        self.register_buffer("weight_panels", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
+    def packs_into_panels(self) -> bool:
+        """A float layer (no quantized matmul) whose loaded CPU weight splits into panels."""
+        plain = type(self).matmul is LinearBase.matmul and self.weight_panels is None
+        return plain and panel_gemm.packable(self.weight)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + bias; a quantized layer overrides this and nothing else. A few rows on the
-        CPU (decode) take the C++ GEMV, which streams the weight at memory speed."""
+        """x W^T + bias; a quantized layer overrides this and nothing else. A weight in panels
+        runs the C++ panel GEMM; else a few rows on the CPU (decode) take the C++ GEMV, which
+        streams the weight at memory speed."""
+        if self.weight_panels is not None:
+            return panel_gemm.linear(x, self.weight_panels, bias)
         if self.cpu_gemv and cpu_fused.gemv_takes(x):
             return cpu_fused.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
@@ -54,10 +64,12 @@ class LinearBase(nn.Module):
         """How the runner's fused CPU decoder (worker/cpu_decoder.py) computes this layer's
         product: ([weight, rowsum, scale, bias], activation levels), or None where it cannot:
         under tensor parallelism, or where a subclass overrides matmul without saying. A float
-        weight has no rowsum. A linear class with its own product overrides this too."""
+        weight has no rowsum; a weight in panels is its 3-D panels tensor. A linear class with
+        its own product overrides this too."""
         if self.comm.world_size != 1 or type(self).matmul is not LinearBase.matmul:
             return None
-        return [self.weight, None, None, self.bias], 0
+        weight = self.weight if self.weight_panels is None else self.weight_panels
+        return [weight, None, None, self.bias], 0
 
 
 class ReplicatedLinear(LinearBase):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import QuantConfig
-from pagedllm.layers import cpu_int8, weight_only
+from pagedllm.layers import cpu_int8, panel_gemm, weight_only
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
@@ -627,6 +627,7 @@ class DynamicQuantConfig(QuantConfig):
         keeps following the batches it sees.
         """
         targets = self.targets(model, exclude_layers)
+        panel_gemm.unpack_layers(targets.values())  # the passes below rewrite plain weights
         if calibration is None and getattr(model, "calibration_folder", None):
             calibration = calibration_for_folder(model.calibration_folder)
         if self.quant_dtype == "int4":
@@ -737,7 +738,7 @@ def describe(model: nn.Module) -> str:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights take: parameters (shared ones once) and packed weights."""
     tensors = list(model.parameters())
-    packed = ("weight_packed", "weight_group_scale", "weight_group_offset")
+    packed = ("weight_packed", "weight_group_scale", "weight_group_offset", "weight_panels")
     tensors += [b for name, b in model.named_buffers() if name.endswith(packed)]
     return sum(t.numel() * t.element_size() for t in tensors)
 

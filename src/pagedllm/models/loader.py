@@ -187,4 +187,8 @@ def load_model(
         from pagedllm.layers.quantization import describe
 
         logger.info("quantization (%s): %s", method, describe(model))
+    if device.type == "cpu":
+        from pagedllm.layers.panel_gemm import pack_model
+
+        pack_model(model)  # float linear weights into panels where the CPU runs the kernel
     return model.eval()

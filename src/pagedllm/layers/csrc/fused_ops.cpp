@@ -382,9 +382,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 // weights (input, after attention, before the MLP, after the MLP, q per head, k per head; an
 // absent norm is undefined), the rotary tables, the layer's key and value cache, then four
 // linear layers (qkv, o, gate_up, down) as (weight, rowsum, scale, bias): rowsum undefined is
-// a float weight (at::linear), else the packed int8 weight of pagedllm_int8::int8_linear; a
-// negative activation level -b is a weight-only b-bit weight of pagedllm_wo::
-// weight_only_linear, (codes, offset or undefined, group scales, bias).
+// a float weight (at::linear; a 3-D one is in panels, pagedllm_panel::panel_linear), else the
+// packed int8 weight of pagedllm_int8::int8_linear; a negative activation level -b is a
+// weight-only b-bit weight of pagedllm_wo::weight_only_linear, (codes, offset or undefined,
+// group scales, bias).
 // `ints` holds kIntsPerLayer entries (heads, KV heads, head size, window, attention tiles
 // block_m and block_n, the four linears' activation levels, the activation: 0 SiLU, 1 GELU
 // tanh, and the norm kind: 0 weight * x, 1 (1 + weight) * x) and `floats` kFloatsPerLayer
@@ -398,14 +399,17 @@ using WeightOnlyLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, cons
                                       const c10::optional<at::Tensor>&, int64_t,
                                       const c10::optional<at::Tensor>&,
                                       const c10::optional<std::string>&);
+using PanelLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                 const c10::optional<at::Tensor>&,
+                                 const c10::optional<std::string>&);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
                          const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t,
                          int64_t);
 
-// The int8 GEMM and the attention kernel live in their own libraries (loaded before this op
-// is called); they are reached through the dispatcher, looked up once.
+// The int8, weight-only and panel GEMMs and the attention kernel live in their own libraries
+// (loaded before this op is called); they are reached through the dispatcher, looked up once.
 const c10::TypedOperatorHandle<Int8LinearFn>& int8_linear_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagedllm_int8::int8_linear", "")
@@ -417,6 +421,13 @@ const c10::TypedOperatorHandle<WeightOnlyLinearFn>& weight_only_linear_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagedllm_wo::weight_only_linear", "")
                              .typed<WeightOnlyLinearFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<PanelLinearFn>& panel_linear_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_panel::panel_linear", "")
+                             .typed<PanelLinearFn>();
   return op;
 }
 
@@ -453,6 +464,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
     return bias.defined() ? y + bias : y;
   }
   if (!rowsum.defined()) {
+    if (w.dim() == 3) return panel_linear_op().call(x, w, b, c10::nullopt);  // in panels
     if (x.size(0) <= kGemvUseRows && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16))
       return gemv(x, w, b);  // what LinearBase.matmul runs at these rows

@@ -1,0 +1,157 @@
+"""The panel GEMM (layers/panel_gemm.py, csrc/panel_gemm.cpp): layout, products at every row
+count against float64, bf16 rounding, and the loader moving float layers into panels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers import panel_gemm
+
+pytestmark = pytest.mark.skipif(
+    not panel_gemm.available(), reason="the panel GEMM needs a CPU with AVX-512F"
+)
+
+# The bf16 paths this CPU runs: the dot-product instruction where it has AVX512-BF16, and the
+# two-FMA path every AVX-512 CPU runs.
+BF16_ISAS = ["avx512"] + (["avx512_bf16"] if panel_gemm.isa() == "avx512_bf16" else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_round_trips_and_puts_16_outputs_of_one_input_side_by_side(dtype):
+    w = torch.randn(48, 10).to(dtype)
+    panels = panel_gemm.pack(w)
+    assert torch.equal(panel_gemm.unpack(panels), w)
+    assert panels.shape[2] * panels.element_size() == 64  # one 512-bit vector per step
+    if dtype == torch.float32:
+        assert panels.shape == (3, 10, 16)
+        assert torch.equal(panels[1, 7], w[16:32, 7])
+    else:  # pairs of inputs: (w[n, 2k], w[n, 2k + 1]) for the panel's 16 outputs
+        assert panels.shape == (3, 5, 32)
+        assert torch.equal(panels[2, 3].view(16, 2), w[32:48, 6:8])
+
+
+def test_only_cpu_float_weights_that_split_into_panels_pack():
+    assert panel_gemm.packable(torch.zeros(32, 8))
+    assert not panel_gemm.packable(torch.zeros(40, 8))  # 40 outputs: not whole panels
+    assert not panel_gemm.packable(torch.zeros(32, 7, dtype=torch.bfloat16))  # odd K in pairs
+    assert not panel_gemm.packable(torch.zeros(32, 8, dtype=torch.float16))
+    assert not panel_gemm.packable(torch.zeros(32, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="cannot pack"):
+        panel_gemm.pack(torch.zeros(40, 8))
+
+
+CASES = [
+    (torch.float32, None, 1e-5),
+    *((torch.bfloat16, isa, 1e-2) for isa in BF16_ISAS),
+]
+
+
+@pytest.mark.parametrize("dtype,isa,tol", CASES)
+@pytest.mark.parametrize("n,k", [(64, 64), (960, 576), (48, 6002)])  # 6002: K in slices
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 131])
+def test_products_match_float64_at_every_row_count(dtype, isa, tol, n, k, rows):
+    torch.manual_seed(rows)
+    w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    panels = panel_gemm.pack(w)
+    ref = x.double() @ w.double().T
+    for bias in (None, b):
+        y = panel_gemm.linear(x, panels, bias, isa)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        want = ref if bias is None else ref + b.double()
+        assert (y.double() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_products_take_leading_dims_and_strided_rows():
+    w = torch.randn(32, 24)
+    panels = panel_gemm.pack(w)
+    x = torch.randn(2, 3, 40)[..., 8:32]  # rows 40 apart
+    y = panel_gemm.linear(x, panels, None)
+    assert y.shape == (2, 3, 32)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", BF16_ISAS)
+def test_bf16_outputs_round_to_nearest_even_like_torch(isa):
+    # One input pair (x0, 0): each output is one fp32 product, exact, then rounded to bf16.
+    torch.manual_seed(0)
+    x = torch.zeros(4, 2, dtype=torch.bfloat16)
+    x[:, 0] = torch.randn(4).to(torch.bfloat16)
+    w = torch.zeros(256, 2, dtype=torch.bfloat16)
+    w[:, 0] = torch.randn(256).to(torch.bfloat16)
+    y = panel_gemm.linear(x, panel_gemm.pack(w), None, isa)
+    want = (x[:, :1].float() * w[:, 0].float()).to(torch.bfloat16)
+    assert torch.equal(y, want)
+    x[0, 0] = float("nan")
+    assert torch.isnan(panel_gemm.linear(x, panel_gemm.pack(w), None, isa)[0]).all()
+
+
+def test_an_isa_the_cpu_lacks_is_refused():
+    w = panel_gemm.pack(torch.randn(16, 4))
+    with pytest.raises(RuntimeError, match="isa is avx512_bf16 or avx512"):
+        panel_gemm.linear(torch.randn(1, 4), w, None, "avx2")
+
+
+def _load(folder, dtype: str):
+    from pagedllm.config import EngineArgs
+    from pagedllm.models.loader import load_model
+
+    config = EngineArgs(model=str(folder), dtype=dtype).create_engine_config()
+    return load_model(config.model, torch.device("cpu"))
+
+
+def _plain_load(folder, dtype: str, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_PANEL_WEIGHTS", "0")
+    panel_gemm.available.cache_clear()
+    try:
+        return _load(folder, dtype)
+    finally:
+        monkeypatch.delenv("PAGEDLLM_CPU_PANEL_WEIGHTS")
+        panel_gemm.available.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_loader_moves_every_float_linear_into_panels_with_the_same_products(
+    tiny_llama, monkeypatch, dtype
+):
+    from pagedllm.layers.linear import LinearBase
+    from pagedllm.layers.quantization import weight_bytes
+
+    model = _load(tiny_llama, dtype)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight_panels is not None for m in linears)
+    assert all(m.weight.numel() == 0 and m.weight.dtype == m.weight_panels.dtype for m in linears)
+    assert all(m.fused_operands()[0][0] is m.weight_panels for m in linears)
+
+    plain = _plain_load(tiny_llama, dtype, monkeypatch)
+    plain_linears = [m for m in plain.modules() if isinstance(m, LinearBase)]
+    assert all(m.weight_panels is None and m.weight.dim() == 2 for m in plain_linears)
+    assert weight_bytes(model) == weight_bytes(plain)  # one copy of each weight, not two
+
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for m, p in zip(linears, plain_linears):
+        assert torch.equal(panel_gemm.unpack(m.weight_panels), p.weight)
+        x = torch.randn(5, p.weight.shape[1]).to(p.weight.dtype)
+        torch.testing.assert_close(m(x), p(x), rtol=tol, atol=tol)
+    panel_gemm.unpack_layers([m])
+    assert m.weight_panels is None and torch.equal(m.weight, p.weight)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_embedding_and_lm_head_share_one_set_of_panels(model_factory, monkeypatch, dtype):
+    folder = model_factory("llama", tie_word_embeddings=True)
+    model, plain = _load(folder, dtype), _plain_load(folder, dtype, monkeypatch)
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert embed.weight_panels is not None and head.weight_panels is embed.weight_panels
+    assert head.weight is embed.weight  # the tie, on the empty placeholder too
+    ids = torch.tensor([0, 17, 5, 255, 17])
+    assert torch.equal(embed(ids), plain.model.embed_tokens(ids))
+    hidden = torch.randn(3, embed.weight_panels.shape[1] * embed.weight_panels.shape[2] // 16)
+    hidden = hidden.to(embed.weight_panels.dtype)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(head(hidden), plain.lm_head(hidden), rtol=tol, atol=tol)
+    panel_gemm.unpack_layers([embed, head])  # back to one shared plain weight
+    assert head.weight is embed.weight and torch.equal(
+        embed.weight, plain.model.embed_tokens.weight
+    )
