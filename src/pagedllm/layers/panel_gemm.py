@@ -67,6 +67,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> its panels (a new tensor; see the module docstring for the layout)."""
     if not packable(weight):
         raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)}")
+    load()  # the kernel that runs them
     n, k = weight.shape
     if weight.dtype == torch.float32:
         return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()

@@ -38,7 +38,15 @@ namespace {
 constexpr int64_t kPanel = 16;     // output features per panel: one 512-bit vector of fp32
 constexpr int kMaxMR = 6;          // rows of x per micro-kernel call
 constexpr int kMaxNR = 4;          // panels per micro-kernel call (64 outputs)
-constexpr int64_t kChunkBytes = 192 << 10;  // weight bytes of a panel group's K slice (L2)
+constexpr int64_t kSliceBytes = 192 << 10;  // a panel group's K slice: stays in L2
+
+// Steps of K (k, or pairs of k in bfloat16) per slice: all of K for one row tile (each
+// weight is read once whatever the order), else what keeps a group's slice in L2 while every
+// row tile passes over it (L1-sized slices measured slower: the partial sums go round trips).
+int64_t slice_steps(int64_t m, int64_t steps, int64_t width, int64_t elem) {
+  if (m <= kMaxMR) return steps;
+  return std::max<int64_t>(16, kSliceBytes / (kMaxNR * width * elem));
+}
 
 enum class Isa { kNone = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 
@@ -219,8 +227,7 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
             float* acc, bool dp, int64_t p0, int64_t p1) {
   const int64_t m = x.size(0), steps = w.size(1), width = w.size(2);  // width: 16 or 32
   const int64_t panel = steps * width;
-  const int64_t step_bytes = kMaxNR * width * int64_t(sizeof(T));
-  const int64_t slice = std::max<int64_t>(16, kChunkBytes / step_bytes);
+  const int64_t slice = slice_steps(m, steps, width, sizeof(T));
   Tile<T> t{};
   t.dp = dp;
   t.xs = x.stride(0);
@@ -278,8 +285,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t row_bytes = k * x.element_size();
-  const int64_t step_bytes = kMaxNR * 64;
-  const bool sliced = w.size(1) > std::max<int64_t>(16, kChunkBytes / step_bytes);
+  const bool sliced = w.size(1) > slice_steps(m, w.size(1), w.size(2), w.element_size());
   // bfloat16 keeps fp32 partial sums between K slices (float32 keeps them in y)
   at::Tensor acc;
   if (sliced && x.scalar_type() == at::kBFloat16) acc = at::empty({m, n}, x.options().dtype(at::kFloat));
