@@ -155,3 +155,64 @@ def test_a_tied_embedding_and_lm_head_share_one_set_of_panels(model_factory, mon
     assert head.weight is embed.weight and torch.equal(
         embed.weight, plain.model.embed_tokens.weight
     )
+
+
+# ---- quantized panels (weight-only int8 / int4) -------------------------------------------
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 192)])
+def test_quantized_weights_round_trip_through_panels(bits, group):
+    from pagedllm.layers import weight_only
+
+    rows = weight_only.quantize(torch.randn(48, 192), bits, group)
+    panels = weight_only.in_panels(rows)
+    assert panels.panels and panels.shape == rows.shape == (48, 192)
+    assert panels.group == rows.group == group
+    assert panels.qweight.shape == (3, 192 // (2 if bits == 4 else 1), 16)
+    assert panels.scale.shape == (3, 192 // group, 16)
+    back = weight_only.by_rows(panels)
+    assert torch.equal(back.qweight, rows.qweight) and torch.equal(back.scale, rows.scale)
+    assert torch.equal(panels.dequantize(), rows.dequantize())
+    if bits == 4:  # step s of panel p: features 2s, 2s + 1 of its 16 outputs, low nibble first
+        codes = weight_only.unpack_int4(rows.qweight)
+        assert torch.equal(panels.qweight[1, 5] & 0xF, codes[16:32, 10].to(torch.uint8))
+        assert torch.equal(panels.qweight[1, 5] >> 4, codes[16:32, 11].to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,isa,tol", CASES)
+@pytest.mark.parametrize("bits,n,k,group", [(4, 64, 64, 32), (4, 96, 576, 64), (8, 48, 1536, 1536),
+                                            (8, 32, 320, 32)])  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 64])  # <= 8: in registers, beyond: scratch
+def test_quantized_panel_products_match_the_dequantized_weight(dtype, isa, tol, bits, n, k,
+                                                               group, rows):  # fmt: skip
+    from pagedllm.layers import weight_only
+
+    torch.manual_seed(rows)
+    packed = weight_only.in_panels(weight_only.quantize(torch.randn(n, k), bits, group))
+    w = packed.dequantize().double()
+    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    for bias in (None, b):
+        y = weight_only.panel_linear(x, packed, bias, isa)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        want = x.double() @ w.T + (0 if bias is None else b.double())
+        assert (y.double() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):
+    from pagedllm.config import EngineArgs
+    from pagedllm.layers import weight_only
+    from pagedllm.models.loader import load_model
+
+    for quantization, bits in (("int8", 8), ("int4", 4)):
+        args = EngineArgs(model=str(tiny_llama), dtype="float32", quantization=quantization)
+        model = load_model(args.create_engine_config().model, torch.device("cpu"))
+        down = model.model.layers[0].mlp.down_proj  # weight-only in both (int8: per row)
+        kernel = down.quant_kernel
+        assert kernel.packed.panels and kernel.packed.bits == bits
+        assert down.weight.numel() == 0 and down.weight_packed is kernel.packed.qweight
+        operands, levels = down.fused_operands()
+        assert levels == -bits and operands[0].dim() == 3
+        x = torch.randn(3, down.in_features)
+        want = x @ kernel.packed.dequantize().T
+        torch.testing.assert_close(down(x), want, rtol=1e-4, atol=1e-4)
+        if bits == 8:  # the checkpoint form comes back by rows
+            assert torch.equal(kernel.weight_int8(), weight_only.by_rows(kernel.packed).qweight)
+            assert kernel.weight_int8().shape == (down.out_features, down.in_features)

@@ -24,6 +24,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.gguf_metadata import open_gguf
 from pagedllm.hf_config import read_hf_config
+from pagedllm.layers.panel_gemm import unpack
 from pagedllm.models.gguf_loader import iterate_gguf_tensors
 from pagedllm.models.sources import GGUFSource, open_source
 
@@ -228,7 +229,10 @@ def test_a_file_without_output_weight_ties_the_head(tiny, tmp_path):
     llm = LLM(model=str(tied), kv_cache_memory_bytes=1 << 20)
     model = llm.llm_engine.executor.runner.model
     embed = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
-    assert torch.equal(model.lm_head.weight, embed)
+    head = model.lm_head
+    assert head.weight is model.model.embed_tokens.weight  # tied (in panels: the placeholder)
+    weight = head.weight if head.weight_panels is None else unpack(head.weight_panels)
+    assert torch.equal(weight, embed)
 
 
 def test_llm_on_a_gguf_file_decodes_like_transformers(tiny):

@@ -268,6 +268,8 @@ class WeightOnlyKernel(Int8Kernel):
         self.packed: weight_only.PackedWeight | None = None
         if self.qweight.device.type == "cpu" and cols % weight_only.BLOCK == 0:
             self.packed = weight_only.PackedWeight(8, self.qweight, self.scale.view(rows, 1), None)
+            if weight_only.panels_run(self.packed):  # the codes move; _to_int8_class drops these
+                self.packed = weight_only.in_panels(self.packed)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -275,6 +277,11 @@ class WeightOnlyKernel(Int8Kernel):
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def weight_int8(self) -> torch.Tensor:
+        if self.packed is not None and self.packed.panels:
+            return weight_only.by_rows(self.packed).qweight
+        return self.qweight
 
     def fused_operands(
         self, bias: torch.Tensor | None
@@ -290,7 +297,7 @@ class GroupKernel(Int8Kernel):
 
     def __init__(self, module: nn.Module, packed: weight_only.PackedWeight) -> None:
         self.packed = packed
-        self.scale = packed.scale  # [N, groups]: rows are the layer's output features
+        self.scale = packed.scale.new_empty(packed.shape[0])  # its length: the output features
         self.observer = None
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -430,6 +437,12 @@ def _to_int8_class(module: nn.Module, kernel: Int8Kernel | None) -> None:
         # The prepacked copy replaces the plain int8 weight; an empty one keeps the name.
         module.register_buffer("weight_packed", kernel.packed, persistent=False)
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    elif (
+        isinstance(kernel, WeightOnlyKernel) and kernel.packed is not None and kernel.packed.panels
+    ):
+        module.register_buffer("weight_packed", kernel.packed.qweight, persistent=False)
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        kernel.qweight = module.weight
 
 
 def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
@@ -442,6 +455,8 @@ def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
     if tuple(module.weight.shape) != (rows, cols):
         raise ValueError(f"packed weight {rows}x{cols} != layer {tuple(module.weight.shape)}")
     module.dequant_dtype = module.weight.dtype
+    if isinstance(module, LinearBase) and weight_only.panels_run(packed):
+        packed = weight_only.in_panels(packed)  # embeddings keep rows: their lookups read them
     module.register_buffer("weight_packed", packed.qweight, persistent=False)
     module.register_buffer("weight_group_scale", packed.scale, persistent=False)
     if packed.offset is not None:

@@ -14,6 +14,14 @@ kernel, which unpacks each block in registers, so x is never rounded; many rows 
 large decode batches) dequantize a slab of output rows at a time into a scratch tile (in C++:
 straight into bf16 for a bf16 x where the CPU converts natively) and multiply it with BLAS in
 x's dtype. No call ever holds a dequantized copy of the whole weight.
+
+On an AVX-512 CPU a linear layer's weight is kept in panels of 16 output features instead
+(:func:`in_panels`, installed by layers/quantization.py): one kernel of csrc/panel_gemm.cpp
+runs every row count from it, up to 8 rows with the codes unpacked in registers (x exact in
+fp32, the group constants applied once per block of 32), beyond with a slice of 4 panels at a
+time dequantized into a cache-resident scratch for the float panel micro-kernel (bf16 for a
+bf16 x, as the slab path does). The row layout stays for embeddings (their lookups read rows)
+and other CPUs.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ from pathlib import Path
 import torch
 
 from pagedllm.cpp_build import load_cpp_ops
+from pagedllm.layers import panel_gemm
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "weight_only_gemm.cpp"
 ISAS = ("avx512", "avx2", "scalar")
 BLOCK = 32  # features per packed block; group sizes are multiples of it
+PANEL = panel_gemm.PANEL  # output features per panel (in_panels)
 KERNEL_MAX_ROWS = 16  # beyond this many rows the slab path (BLAS) is faster (the C++ one too)
 _SLAB_ELEMENTS = 1 << 20  # weights dequantized per slab on the many-row path (4 MiB fp32)
 
@@ -78,21 +88,26 @@ def group_size_for(in_features: int, requested: int) -> int | None:
 
 @dataclass
 class PackedWeight:
-    """A quantized weight in the kernel's layout (module docstring)."""
+    """A quantized weight in the kernel's layout (module docstring), by rows or in panels."""
 
     bits: int  # 8 or 4
-    qweight: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2]
-    scale: torch.Tensor  # fp32 [N, K / group]
-    offset: torch.Tensor | None  # fp32 [N, K / group] for int4, else None
+    qweight: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2]; panels: [N / 16, K (/ 2), 16]
+    scale: torch.Tensor  # fp32 [N, K / group]; panels: [N / 16, K / group, 16]
+    offset: torch.Tensor | None  # like scale for int4, else None
+    panels: bool = False  # the panel layout of :func:`in_panels`
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.panels:
+            return self.qweight.shape[0] * PANEL, self.qweight.shape[1] * (
+                2 if self.bits == 4 else 1
+            )
         rows, cols = self.qweight.shape
         return rows, cols * (2 if self.bits == 4 else 1)
 
     @property
     def group(self) -> int:
-        return self.shape[1] // self.scale.shape[1]
+        return self.shape[1] // self.scale.shape[-2 if self.panels else 1]
 
     def nbytes(self) -> int:
         parts = [self.qweight, self.scale] + ([self.offset] if self.offset is not None else [])
@@ -100,6 +115,8 @@ class PackedWeight:
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """fp32 W[rows] (tests, the slab path, an embedding's lookups); rows a slice or ids."""
+        if self.panels:
+            return by_rows(self).dequantize(rows)
         scale = self.scale[rows]
         if self.bits == 8:
             q = self.qweight[rows].float()
@@ -124,6 +141,51 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     rows, half = packed.shape
     blocks = packed.view(rows, half // (BLOCK // 2), 1, BLOCK // 2)
     return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(rows, half * 2)
+
+
+def _to_panels(t: torch.Tensor) -> torch.Tensor:  # [N, C] -> [N / 16, C, 16]
+    return t.reshape(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _from_panels(t: torch.Tensor) -> torch.Tensor:  # [N / 16, C, 16] -> [N, C]
+    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
+
+
+def in_panels(weight: PackedWeight) -> PackedWeight:
+    """The same weight in panels of 16 output features (csrc/panel_gemm.cpp's quantized
+    panels): int8 codes [N / 16, K, 16]; int4 [N / 16, K / 2, 16] with input features 2s and
+    2s + 1 of the panel's outputs in the low and high nibbles of step s; scale and offset
+    [N / 16, K / group, 16]. One kernel runs every row count from it."""
+    if weight.panels:
+        return weight
+    if weight.bits == 8:
+        codes = _to_panels(weight.qweight)
+    else:
+        n, k = weight.shape
+        pairs = unpack_int4(weight.qweight).view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)
+        codes = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    offset = None if weight.offset is None else _to_panels(weight.offset)
+    return PackedWeight(weight.bits, codes, _to_panels(weight.scale), offset, panels=True)
+
+
+def by_rows(weight: PackedWeight) -> PackedWeight:
+    """The inverse of :func:`in_panels` (tests, checkpoints, dequantizing)."""
+    if not weight.panels:
+        return weight
+    if weight.bits == 8:
+        codes = _from_panels(weight.qweight)
+    else:
+        n, k = weight.shape
+        pairs = torch.stack([weight.qweight & 0xF, weight.qweight >> 4], dim=-1)  # [P, K/2, 16, 2]
+        codes = pack_int4(pairs.permute(0, 2, 1, 3).reshape(n, k))
+    offset = None if weight.offset is None else _from_panels(weight.offset)
+    return PackedWeight(weight.bits, codes, _from_panels(weight.scale), offset)
+
+
+def panels_run(weight: PackedWeight) -> bool:
+    """Whether this CPU runs ``weight`` in panels: AVX-512, whole panels of 16 outputs."""
+    n, _ = weight.shape
+    return weight.qweight.device.type == "cpu" and n % PANEL == 0 and panel_gemm.available()
 
 
 def quantize(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
@@ -177,8 +239,22 @@ def slab_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
     return out if bias is None else out.add_(bias)
 
 
+def panel_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, isa: str | None = None
+) -> torch.Tensor:
+    """x [M, K] (fp32 / bf16) -> [M, N] in x's dtype with a weight in panels (csrc/
+    panel_gemm.cpp): up to 8 rows the codes unpacked in registers, beyond a dequantized slice
+    of a panel group at a time through the float micro-kernel. isa: as panel_gemm.linear."""
+    return torch.ops.pagedllm_panel.quant_panel_linear(
+        x.contiguous(), weight.qweight, weight.scale, weight.offset, weight.bits, bias, isa
+    )
+
+
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear)."""
+    """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear or,
+    for a weight in panels, panel_linear)."""
+    if weight.panels:
+        return panel_linear(x, weight, bias)
     if x.device.type == "cpu" and load():
         return kernel_linear(x, weight, bias)
     return slab_linear(x, weight, bias)

@@ -385,7 +385,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 // a float weight (at::linear; a 3-D one is in panels, pagedllm_panel::panel_linear), else the
 // packed int8 weight of pagedllm_int8::int8_linear; a negative activation level -b is a
 // weight-only b-bit weight of pagedllm_wo::weight_only_linear, (codes, offset or undefined,
-// group scales, bias).
+// group scales, bias), or of pagedllm_panel::quant_panel_linear where the codes are 3-D.
 // `ints` holds kIntsPerLayer entries (heads, KV heads, head size, window, attention tiles
 // block_m and block_n, the four linears' activation levels, the activation: 0 SiLU, 1 GELU
 // tanh, and the norm kind: 0 weight * x, 1 (1 + weight) * x) and `floats` kFloatsPerLayer
@@ -431,6 +431,13 @@ const c10::TypedOperatorHandle<PanelLinearFn>& panel_linear_op() {
   return op;
 }
 
+const c10::TypedOperatorHandle<WeightOnlyLinearFn>& quant_panel_linear_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_panel::quant_panel_linear", "")
+                             .typed<WeightOnlyLinearFn>();
+  return op;
+}
+
 const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagedllm_attention::varlen_attention", "")
@@ -459,8 +466,11 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
     const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
                                                               : c10::nullopt;
-    at::Tensor y = weight_only_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
-                                                c10::nullopt);
+    at::Tensor y = w.dim() == 3  // codes in panels
+                       ? quant_panel_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
+                                                      c10::nullopt)
+                       : weight_only_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
+                                                      c10::nullopt);
     return bias.defined() ? y + bias : y;
   }
   if (!rowsum.defined()) {

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -88,11 +89,16 @@ __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(__m256i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// Round to nearest even, NaN kept (a quiet NaN), as c10::BFloat16's conversion does.
-__attribute__((target("avx512f"))) inline __m256i f32_to_bf16(__m512 v) {
+// fp32 bits rounded to nearest even at bit 16: the bf16 is the upper half (finite v).
+__attribute__((target("avx512f"))) inline __m512i rounded_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+}
+
+// Round to nearest even, NaN kept (a quiet NaN), as c10::BFloat16's conversion does.
+__attribute__((target("avx512f"))) inline __m256i f32_to_bf16(__m512 v) {
+  __m512i r = rounded_bits(v);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                             _mm512_set1_epi32(0x7fc00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
@@ -253,6 +259,217 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
   }
 }
 
+// ---- quantized panels (weight-only int8 / int4) ---------------------------------------------
+// codes int8 [N/16][K][16] (int8) or uint8 [N/16][K/2][16] (int4: byte j of step s holds
+// q[16p + j, 2s] in its low nibble and q[16p + j, 2s + 1] in its high one); scale and, for
+// int4, offset fp32 [N/16][K/G][16]: w = scale * q (+ offset). A slice of K of one panel group
+// at a time is dequantized into a per-thread scratch in the float panel layout (bf16 pairs for
+// a bf16 x, fp32 otherwise) and run by the float micro-kernel over every row of x: the codes
+// stream from memory once per call, the scratch stays in L1 / L2.
+constexpr int64_t kQuantSliceK = 256;  // input features per dequantized slice (a multiple of 32)
+
+struct Quant {
+  const uint8_t* codes;
+  const float* scale;
+  const float* offset;  // null for int8
+  int64_t n, k, group, groups;
+  bool int4;
+};
+
+// The 16 outputs of panel p at input features k and k + 1 (k even) in fp32, with the group's
+// scale d and offset m (int4) already loaded.
+__attribute__((target("avx512f"))) inline void dequant_pair(const Quant& q, int64_t p, int64_t k,
+                                                            __m512 d, __m512 m, __m512& even,
+                                                            __m512& odd) {
+  if (q.int4) {
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.codes + (p * q.k + k) / 2 * kPanel)));
+    even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
+    odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+  } else {
+    const int8_t* row = reinterpret_cast<const int8_t*>(q.codes) + (p * q.k + k) * kPanel;
+    even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(row)))), d);
+    odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kPanel)))), d);
+  }
+}
+
+// Round to bf16 (nearest even) and interleave: lane j = (bf16(even[j]), bf16(odd[j])).
+__attribute__((target("avx512f"))) inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  return _mm512_or_si512(_mm512_srli_epi32(rounded_bits(even), 16),
+                         _mm512_and_si512(rounded_bits(odd), _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p, int nr,
+                                                      int64_t k0, int64_t k1, T* out) {
+  for (int j = 0; j < nr; ++j)
+    for (int64_t b = k0; b < k1; b += 32) {  // a group holds whole blocks of 32 features
+      const int64_t c = ((p + j) * q.groups + b / q.group) * kPanel;
+      const __m512 d = _mm512_loadu_ps(q.scale + c);
+      const __m512 m = q.int4 ? _mm512_loadu_ps(q.offset + c) : _mm512_setzero_ps();
+      for (int64_t k = b; k < b + 32; k += 2) {
+      __m512 even, odd;
+      dequant_pair(q, p + j, k, d, m, even, odd);
+      if constexpr (std::is_same_v<T, float>) {
+        float* dst = out + (j * kQuantSliceK + (k - k0)) * kPanel;
+        _mm512_storeu_ps(dst, even);
+        _mm512_storeu_ps(dst + kPanel, odd);
+      } else {
+        T* dst = out + (j * kQuantSliceK + (k - k0)) * kPanel;  // (k - k0) / 2 pairs of 32
+        _mm512_storeu_si512(dst, bf16_pairs(even, odd));
+      }
+      }
+    }
+}
+
+// Up to kSmallRows rows (decode): the codes unpacked in registers, never stored. Per block of 32 input
+// features, s = sum_k x[k] q[k] over the block's codes, then y += d * s (+ m * sum_k x[k] for
+// int4): the group constants are applied once per block, not per weight. x in fp32 (exact),
+// xsum its per-block sums (int4 only).
+constexpr int kSmallRows = 8;  // beyond: the dequantized scratch (measured crossover)
+
+template <int MR, int NR, bool INT4>
+__attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const float* x,
+                                                         const float* xsum, int64_t p,
+                                                         const float* bias, float (&out)[MR][NR][16]) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
+  const int64_t blocks = q.k / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 s[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) s[i][j] = _mm512_setzero_ps();
+    for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+      for (int j = 0; j < NR; ++j) {
+        __m512 lo, hi;
+        if constexpr (INT4) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(q.codes + ((p + j) * q.k + k) / 2 * kPanel)));
+          lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        } else {
+          const int8_t* row = reinterpret_cast<const int8_t*>(q.codes) + ((p + j) * q.k + k) * kPanel;
+          lo = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kPanel))));
+        }
+        for (int i = 0; i < MR; ++i) {
+          s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * q.k + k]), lo, s[i][j]);
+          s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * q.k + k + 1]), hi, s[i][j]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel;
+      const __m512 d = _mm512_loadu_ps(q.scale + c);
+      if constexpr (INT4) {
+        const __m512 m = _mm512_loadu_ps(q.offset + c);
+        for (int i = 0; i < MR; ++i)
+          acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * blocks + b]), m,
+                                      _mm512_fmadd_ps(s[i][j], d, acc[i][j]));
+      } else {
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(s[i][j], d, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(out[i][j], acc[i][j]);
+}
+
+template <int MR, int NR>
+void quant_small(const Quant& q, const float* x, const float* xsum, int64_t p, const float* bias,
+                 float (&out)[MR][NR][16]) {
+  if (q.int4)
+    quant_tile_small<MR, NR, true>(q, x, xsum, p, bias, out);
+  else
+    quant_tile_small<MR, NR, false>(q, x, xsum, p, bias, out);
+}
+
+// Panels [p0, p1) of y for mr <= 4 rows of x (x, xsum and y at the tile's first row).
+template <typename T, int MR>
+void quant_rows_small(const Quant& q, const float* x, const float* xsum, const float* bias,
+                      T* y, int64_t ys, int64_t p, int nr) {
+  constexpr int NR = MR <= 2 ? 4 : 2;
+  for (int done = 0; done < nr; done += NR) {
+    float out[MR][NR][16];
+    const int64_t pp = p + done;
+    const float* bp = bias != nullptr ? bias + pp * kPanel : nullptr;
+    const int now = std::min(NR, nr - done);
+    if (now == NR) {
+      quant_small<MR, NR>(q, x, xsum, pp, bp, out);
+    } else {  // the last panels one at a time
+      for (int j = 0; j < now; ++j) {
+        float one[MR][1][16];
+        quant_small<MR, 1>(q, x, xsum, pp + j, bp != nullptr ? bp + j * kPanel : nullptr, one);
+        for (int i = 0; i < MR; ++i) std::memcpy(out[i][j], one[i][0], sizeof one[i][0]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < now; ++j)
+        for (int l = 0; l < kPanel; ++l) y[i * ys + (pp + j) * kPanel + l] = T(out[i][j][l]);
+  }
+}
+
+// Panels [p0, p1) of y for M <= kSmallRows rows: per group of 4 panels, tiles of up to 4 rows
+// (the group's codes stay in cache for the second tile).
+template <typename T>
+void quant_panels_small(const Quant& q, int64_t m, const float* x, const float* xsum,
+                        const float* bias, T* y, int64_t p0, int64_t p1) {
+  const int64_t n = q.n, blocks = q.k / 32;
+  for (int64_t p = p0; p < p1; p += kMaxNR) {
+    const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
+    for (int64_t r = 0; r < m; r += 4) {
+      const float* xr = x + r * q.k;
+      const float* sr = xsum != nullptr ? xsum + r * blocks : nullptr;
+      T* yr = y + r * n;
+      switch (std::min<int64_t>(4, m - r)) {
+        case 1: quant_rows_small<T, 1>(q, xr, sr, bias, yr, n, p, nr); break;
+        case 2: quant_rows_small<T, 2>(q, xr, sr, bias, yr, n, p, nr); break;
+        case 3: quant_rows_small<T, 3>(q, xr, sr, bias, yr, n, p, nr); break;
+        default: quant_rows_small<T, 4>(q, xr, sr, bias, yr, n, p, nr); break;
+      }
+    }
+  }
+}
+
+template <typename T>
+void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Tensor& y,
+                  float* acc, bool dp, int64_t p0, int64_t p1) {
+  const int64_t m = x.size(0);
+  const int64_t per_step = std::is_same_v<T, float> ? 1 : 2;  // input features per step
+  std::vector<T> scratch(kMaxNR * kQuantSliceK * kPanel);
+  Tile<T> t{};
+  t.dp = dp;
+  t.xs = x.stride(0);
+  t.panel = kQuantSliceK / per_step * (kPanel * per_step);
+  t.ys = y.stride(0);
+  t.w = scratch.data();
+  for (int64_t p = p0; p < p1; p += kMaxNR) {
+    const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
+    t.bias = bias != nullptr ? bias + p * kPanel : nullptr;
+    for (int64_t k0 = 0; k0 < q.k; k0 += kQuantSliceK) {
+      const int64_t k1 = std::min(q.k, k0 + kQuantSliceK);
+      dequant_slice<T>(q, p, nr, k0, k1, scratch.data());
+      t.k0 = 0;
+      t.k1 = (k1 - k0) / per_step;
+      t.first = k0 == 0;
+      t.last = k1 == q.k;
+      for (int64_t r = 0; r < m; r += kMaxMR) {
+        const int mr = int(std::min<int64_t>(kMaxMR, m - r));
+        t.x = x.data_ptr<T>() + r * t.xs + k0;
+        t.y = y.data_ptr<T>() + r * t.ys + p * kPanel;
+        t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
+        tile_any<T>(mr, nr, t);
+      }
+    }
+  }
+}
+
 #endif  // PAGEDLLM_X86 && __GNUC__
 
 Isa isa_from_name(const std::string& name) {
@@ -305,6 +522,75 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
+// y = x W^T + bias with W quantized in panels (see "quantized panels" above); x float32 or
+// bfloat16 [M, K], y in x's dtype.
+at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
+                              const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                              int64_t bits, const c10::optional<at::Tensor>& bias,
+                              const c10::optional<std::string>& isa) {
+  const Isa use = isa.has_value() ? isa_from_name(*isa) : cpu_isa();
+  TORCH_CHECK(cpu_isa() != Isa::kNone && use <= cpu_isa(), "quant_panel_linear: this CPU lacks ",
+              use == Isa::kAvx512Bf16 ? "AVX512-BF16" : "AVX-512F");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_linear: bits 4 or 8");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "quant_panel_linear: codes [N / 16, K (/ 2), 16] of uint8 (int4) / int8");
+  const int64_t n = codes.size(0) * kPanel, k = codes.size(1) * (bits == 4 ? 2 : 1);
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == codes.size(0) && scale.size(2) == kPanel &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "quant_panel_linear: scale fp32 [N / 16, K / G, 16]");
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0,
+              "quant_panel_linear: groups of a multiple of 32 input features");
+  TORCH_CHECK((bits == 4) == offset.has_value(), "quant_panel_linear: int4 has offsets, int8 none");
+  if (offset.has_value())
+    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == at::kFloat &&
+                    offset->is_contiguous(), "quant_panel_linear: offset like scale");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_panel_linear: x float32 / bfloat16 [M, ", k, "] with unit stride");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == n),
+              "quant_panel_linear: bias [", n, "]");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const int64_t m = x.size(0);
+  if (m == 0) return y;
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor acc;  // bfloat16 keeps fp32 partial sums between K slices
+  if (bf16 && k > kQuantSliceK) acc = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* ap = acc.defined() ? acc.data_ptr<float>() : nullptr;
+  const Quant q{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
+                offset.has_value() ? offset->data_ptr<float>() : nullptr,
+                n, k, k / groups, groups, bits == 4};
+  const int64_t panel_bytes = k * kPanel * bits / 8;
+  const int64_t work = panel_bytes * std::max<int64_t>(1, m / kMaxMR);
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / work);
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  if (m <= kSmallRows) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const at::Tensor xsum = bits == 4 ? xf.view({m, k / 32, 32}).sum(-1).contiguous() : at::Tensor();
+    const float* xp = xf.data_ptr<float>();
+    const float* sp = xsum.defined() ? xsum.data_ptr<float>() : nullptr;
+    const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / panel_bytes);
+    at::parallel_for(0, codes.size(0), small_grain, [&](int64_t p0, int64_t p1) {
+      if (bf16)
+        quant_panels_small<at::BFloat16>(q, m, xp, sp, bp, y.data_ptr<at::BFloat16>(), p0, p1);
+      else
+        quant_panels_small<float>(q, m, xp, sp, bp, y.data_ptr<float>(), p0, p1);
+    });
+    return y;
+  }
+  at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
+    if (bf16)
+      quant_panels<at::BFloat16>(x, q, bp, y, ap, use == Isa::kAvx512Bf16, p0, p1);
+    else
+      quant_panels<float>(x, q, bp, y, nullptr, false, p0, p1);
+  });
+#endif
+  return y;
+}
+
 bool available() { return cpu_isa() != Isa::kNone; }
 
 std::string isa() {
@@ -320,6 +606,10 @@ std::string isa() {
 TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias, str? isa=None) -> Tensor",
         &panel_linear);
+  m.def(
+      "quant_panel_linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, int bits, "
+      "Tensor? bias, str? isa=None) -> Tensor",
+      &quant_panel_linear);
   m.def("available() -> bool", &available);
   m.def("isa() -> str", &isa);
 }
