@@ -168,6 +168,13 @@ def test_q4_1_file_is_served_in_its_blocks(llm, gguf_path):
     assert size < weight_bytes(model) < size * 1.25  # codes as stored, fp32 group constants
     levels = llm.llm_engine.executor.local_runner.fast_path.operands.ints
     assert levels[6:10] == [-4, -4, -4, -4]  # the first layer's four linears, int4
+    from pagedllm.layers import panel_gemm
+
+    if panel_gemm.available():  # AVX-512: every packed weight in panels, one copy each
+        packed = [m.packed for m in (model.model.layers[0].mlp.down_proj.quant_kernel,
+                                     model.lm_head.quant_kernel)]  # fmt: skip
+        assert all(p.panels and p.qweight.dim() == 3 for p in packed)
+        assert model.model.embed_tokens.packed is model.lm_head.quant_kernel.packed
 
 
 def test_quantization_none_dequantizes_the_file(gguf_path):

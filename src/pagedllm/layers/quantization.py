@@ -455,8 +455,8 @@ def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
     if tuple(module.weight.shape) != (rows, cols):
         raise ValueError(f"packed weight {rows}x{cols} != layer {tuple(module.weight.shape)}")
     module.dequant_dtype = module.weight.dtype
-    if isinstance(module, LinearBase) and weight_only.panels_run(packed):
-        packed = weight_only.in_panels(packed)  # embeddings keep rows: their lookups read them
+    if weight_only.panels_run(packed):
+        packed = weight_only.in_panels(packed)  # (a no-op on panels already)
     module.register_buffer("weight_packed", packed.qweight, persistent=False)
     module.register_buffer("weight_group_scale", packed.scale, persistent=False)
     if packed.offset is not None:

@@ -20,8 +20,8 @@ On an AVX-512 CPU a linear layer's weight is kept in panels of 16 output feature
 runs every row count from it, up to 8 rows with the codes unpacked in registers (x exact in
 fp32, the group constants applied once per block of 32), beyond with a slice of 4 panels at a
 time dequantized into a cache-resident scratch for the float panel micro-kernel (bf16 for a
-bf16 x, as the slab path does). The row layout stays for embeddings (their lookups read rows)
-and other CPUs.
+bf16 x, as the slab path does); an embedding in panels gathers each looked-up row from its
+panel. The row layout stays on other CPUs.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class PackedWeight:
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """fp32 W[rows] (tests, the slab path, an embedding's lookups); rows a slice or ids."""
         if self.panels:
-            return by_rows(self).dequantize(rows)
+            return self._dequantize_panels(rows)
         scale = self.scale[rows]
         if self.bits == 8:
             q = self.qweight[rows].float()
@@ -126,6 +126,22 @@ class PackedWeight:
         if self.offset is not None:
             w = w + self.offset[rows][..., None]
         return w.view(q.shape[0], -1)
+
+    def _dequantize_panels(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """dequantize() in panels: each row gathered from its panel (an embedding's lookups)."""
+        n, k = self.shape
+        ids = torch.arange(n)[rows] if isinstance(rows, slice) else rows
+        panel, lane = ids // PANEL, ids % PANEL
+        scale = self.scale[panel, :, lane]  # [T, groups]
+        codes = self.qweight[panel, :, lane]  # [T, K] int8 | [T, K / 2] uint8 pairs
+        if self.bits == 8:
+            q = codes.float()
+        else:
+            q = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(ids.shape[0], k).float()
+        w = q.view(q.shape[0], scale.shape[1], -1) * scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[panel, :, lane][..., None]
+        return w.view(q.shape[0], k)
 
 
 # ---- packing -------------------------------------------------------------------------------

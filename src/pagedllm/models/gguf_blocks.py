@@ -21,6 +21,7 @@ from pagedllm.layers import gguf_repack
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import install_packed
+from pagedllm.layers import weight_only
 from pagedllm.layers.weight_only import PackedWeight
 from pagedllm.models.gguf_loader import GGUFTensor
 
@@ -68,6 +69,8 @@ def install_gguf_blocks(
                 continue
             packed = gguf_repack.concat_rows([group[i] for i in sorted(group)])
             del parts[module_name]
+        if weight_only.panels_run(packed):  # once, so that a tied head shares the panels
+            packed = weight_only.in_panels(packed)
         install_packed(module, packed)
         installed.add(name)
         if name == _EMBEDDING and getattr(model, "tie_word_embeddings", False):
