@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers import gguf_repack
+from pagedllm.layers import gguf_repack, weight_only
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import install_packed
-from pagedllm.layers import weight_only
 from pagedllm.layers.weight_only import PackedWeight
 from pagedllm.models.gguf_loader import GGUFTensor
 
