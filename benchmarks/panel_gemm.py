@@ -10,7 +10,8 @@ LM head, through:
 * panels: pagedllm's panel GEMM (layers/panel_gemm.py), the layout the loader keeps.
 
 Prints ms per step, GFLOP/s and panels as a share of the faster of the other two (the
-machine's rate at the same shapes), median of 7 rounds, and writes a markdown table.
+machine's rate at the same shapes), median of 7 rounds; then the weight-only int4 / int8
+products by rows and in panels; and writes the markdown tables.
 
     python benchmarks/panel_gemm.py [--model FOLDER] [--markdown benchmarks/results/panel_gemm.md]
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import load_average, machine  # noqa: E402
 from compare import default_smollm2_folder, linear_shapes  # noqa: E402
 
-from pagedllm.layers import cpu_fused, panel_gemm  # noqa: E402
+from pagedllm.layers import cpu_fused, panel_gemm, weight_only  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -70,6 +71,34 @@ def measure(weights: list[torch.Tensor], panels: list[torch.Tensor], rows: int) 
     }
 
 
+def products(xs: dict[int, torch.Tensor], weights: list) -> None:
+    for w in weights:
+        weight_only.linear(xs[w.shape[1]], w, None)
+
+
+def quantized_table(shapes: list[tuple[int, int]], row_counts: list[int]) -> list[str]:
+    """Weight-only products (int4 group 32 as Q4_1, int8 with one scale per row as the default
+    int8's down_proj) by rows (weight_only_gemm.cpp) and in panels, x in fp32 and bf16."""
+    lines = [
+        "| weight-only | x | rows | by rows ms | in panels ms | panels / rows |",
+        "|---|---|---|---|---|---|",
+    ]
+    for bits in (4, 8):
+        by_rows = [weight_only.quantize(torch.randn(n, k), bits, 32 if bits == 4 else k)
+                   for n, k in shapes]  # fmt: skip
+        in_panels = [weight_only.in_panels(w) for w in by_rows]
+        for rows in row_counts:
+            for dtype in (torch.float32, torch.bfloat16):
+                xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+                ms = [median_seconds(lambda ws=ws, xs=xs: products(xs, ws)) * 1e3
+                      for ws in (by_rows, in_panels)]  # fmt: skip
+                line = (f"| int{bits} | {str(dtype)[6:]} | {rows} | {ms[0]:.2f} | {ms[1]:.2f} | "
+                        f"{ms[0] / ms[1]:.2f}x |")  # fmt: skip
+                print(line, flush=True)
+                lines.append(line)
+    return lines
+
+
 def main() -> None:
     args = parse_args()
     if not (cpu_fused.load() and panel_gemm.available()):
@@ -100,6 +129,7 @@ def main() -> None:
                 line = "| " + " | ".join(map(str, [*cells, f"{rate:.0f}", f"{share:.2f}x"])) + " |"
                 print(line, flush=True)
                 lines.append(line)
+    lines += ["", *quantized_table(layer_shapes, args.rows)]
     footer = f"load at the end: {load_average()}"
     print(footer)
     if args.markdown:
