@@ -70,6 +70,7 @@ PRECISIONS = {
 }
 # --real-model adds int8 with bf16 activations and LM head (the 125M tables have no GEMM peak
 # or weight bytes for it)
+HF_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 REAL_PRECISIONS = {**PRECISIONS, "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"}}
 
 
@@ -701,10 +702,11 @@ def main() -> None:
             row[f"pagedllm {prec}"] = seconds
             row[f"pagedllm {prec} prefix hits"] = info["prefix_hits"]
             print(f"[{name}] pagedllm {prec}: {row['output_tokens'] / seconds:.1f} out tok/s")
-        hf = {bs: run_hf(model, reqs, bs, "float32", warmup=True) for bs in hf_sizes}
-        best = min(hf, key=hf.get)
-        row["HF fp32"], row["HF best batch"] = hf[best], best
-        print(f"[{name}] HF fp32 best (batch {best}): {row['output_tokens'] / hf[best]:.1f}")
+        for dtype in args.hf_dtypes:
+            hf = {bs: run_hf(model, reqs, bs, dtype, warmup=True) for bs in hf_sizes}
+            best, label = min(hf, key=hf.get), f"HF {HF_LABELS[dtype]}"
+            row[label], row[f"{label} best batch"] = hf[best], best
+            print(f"[{name}] {label} best (batch {best}): {row['output_tokens'] / hf[best]:.1f}")
         for gguf in args.gguf:
             slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)
             key = f"llama.cpp {gguf_format(gguf)}"
@@ -764,6 +766,9 @@ def parse_args() -> argparse.Namespace:
         help="default: fp32 bf16 int8 (--real-model: and int8-bf16)",
     )
     ap.add_argument("--hf-batch-sizes", nargs="+", type=int, default=None)
+    ap.add_argument("--hf-dtypes", nargs="+", default=["float32"], choices=list(HF_LABELS),
+                    help="HF transformers runs at each (float32; bfloat16 for equal precision "
+                    "with pagedllm bf16)")  # fmt: skip
     ap.add_argument("--scale", type=float, default=1.0, help="share of each workload's requests")
     ap.add_argument(
         "--quick",
