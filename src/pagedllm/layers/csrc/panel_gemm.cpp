@@ -25,6 +25,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -472,6 +473,16 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
 
 #endif  // PAGEDLLM_X86 && __GNUC__
 
+// y [M, N] in x's dtype, and the bias [N] in fp32 for the kernels (undefined when absent).
+std::pair<at::Tensor, at::Tensor> output_and_bias(const at::Tensor& x, int64_t n,
+                                                  const c10::optional<at::Tensor>& bias,
+                                                  const char* op) {
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == n), op, ": bias [",
+              n, "]");
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  return {at::empty({x.size(0), n}, x.options()), b};
+}
+
 Isa isa_from_name(const std::string& name) {
   if (name == "avx512_bf16") return Isa::kAvx512Bf16;
   if (name == "avx512") return Isa::kAvx512;
@@ -494,12 +505,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t n = w.size(0) * kPanel, k = w.size(1) * w.size(2) / kPanel;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "panel_linear: x [M, ", k,
               "] with unit stride");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == n),
-              "panel_linear: bias [", n, "]");
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  auto [y, b] = output_and_bias(x, n, bias, "panel_linear");
   const int64_t m = x.size(0);
   if (m == 0) return y;
-  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t row_bytes = k * x.element_size();
   const bool sliced = w.size(1) > slice_steps(m, w.size(1), w.size(2), w.element_size());
@@ -549,12 +557,9 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_panel_linear: x float32 / bfloat16 [M, ", k, "] with unit stride");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == n),
-              "quant_panel_linear: bias [", n, "]");
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  auto [y, b] = output_and_bias(x, n, bias, "quant_panel_linear");
   const int64_t m = x.size(0);
   if (m == 0) return y;
-  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor acc;  // bfloat16 keeps fp32 partial sums between K slices
