@@ -216,3 +216,20 @@ def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):
         if bits == 8:  # the checkpoint form comes back by rows
             assert torch.equal(kernel.weight_int8(), weight_only.by_rows(kernel.packed).qweight)
             assert kernel.weight_int8().shape == (down.out_features, down.in_features)
+
+
+def test_a_loaded_models_cost_graph_counts_the_weights_in_panels(tiny_llama):
+    from pagedllm.config import EngineArgs
+    from pagedllm.models.loader import load_model
+    from pagedllm.partition.graph import build_model_graph, graph_from_config
+
+    config = EngineArgs(model=str(tiny_llama), dtype="float32").create_engine_config().model
+    loaded = build_model_graph(load_model(config, torch.device("cpu")), config.hf_config,
+                               "float32", "tiny")  # fmt: skip
+    planned = graph_from_config(config.hf_config, "float32", "tiny")  # on the meta device
+    fields = ("weight_bytes", "streamed_bytes", "flops_per_token", "flops_per_sample")
+    for field in fields:
+        assert [getattr(n, field) for n in loaded.nodes] == [
+            getattr(n, field) for n in planned.nodes
+        ]
+    assert all(n.weight_bytes > 0 for n in loaded.nodes)

@@ -87,11 +87,14 @@ class ModelGraph:
 
 
 def _state_bytes(module: nn.Module) -> tuple[int, int]:
-    """(bytes of the state dict, elements of its 2-D tensors: the matmul weights)."""
+    """(bytes of the state dict, elements of its 2-D tensors: the matmul weights). A loaded
+    CPU model's weights in panels (layers/panel_gemm.py, buffers outside the state dict, an
+    empty ``weight`` in it) count as the 2-D weights they hold."""
     total = matmul = 0
-    for tensor in module.state_dict().values():
+    panels = [b for name, b in module.named_buffers() if name.endswith("weight_panels")]
+    for tensor in [*module.state_dict().values(), *panels]:
         total += tensor.numel() * tensor.element_size()
-        if tensor.dim() == 2:
+        if tensor.dim() == 2 or tensor.dim() == 3 and any(tensor is p for p in panels):
             matmul += tensor.numel()
     return total, matmul
 
