@@ -99,10 +99,10 @@ def linear(
     """x [..., K] W^T + bias with W in panels; x of the panels' dtype. isa: avx512 runs
     bfloat16 without AVX512-BF16's dot product (default: the best this CPU has)."""
     k = panels.shape[1] * panels.shape[2] // PANEL
-    rows = x.reshape(-1, k)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    y = torch.ops.pagedllm_panel.panel_linear(rows, panels, bias, isa)
+    flat = x.reshape(-1, k)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    y = torch.ops.pagedllm_panel.panel_linear(flat, panels, bias, isa)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -138,16 +138,12 @@ def unpack_layers(modules: Iterable[nn.Module]) -> None:
         module.weight, module.weight_panels = plain[id(panels)], None
 
 
-def _no() -> bool:
-    return False
-
-
 def pack_model(model: nn.Module) -> int:
     """Pack every layer of a loaded CPU model that says it packs (``packs_into_panels()``:
     float linear layers, the embedding and LM head, on a weight that splits into panels);
-    returns how many weights. A no-op where the kernel is
-    unavailable."""
-    layers = [m for m in model.modules() if getattr(m, "packs_into_panels", _no)()]
+    returns how many weights. A no-op where the kernel is unavailable."""
+    layers = [m for m in model.modules()
+              if hasattr(m, "packs_into_panels") and m.packs_into_panels()]  # fmt: skip
     if not layers or not available():
         return 0
     count = pack_layers(layers)

@@ -98,16 +98,12 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.panels:
-            return self.qweight.shape[0] * PANEL, self.qweight.shape[1] * (
-                2 if self.bits == 4 else 1
-            )
-        rows, cols = self.qweight.shape
-        return rows, cols * (2 if self.bits == 4 else 1)
+        rows, cols = self.qweight.shape[0], self.qweight.shape[1]
+        return rows * (PANEL if self.panels else 1), cols * (2 if self.bits == 4 else 1)
 
     @property
     def group(self) -> int:
-        return self.shape[1] // self.scale.shape[-2 if self.panels else 1]
+        return self.shape[1] // self.scale.shape[1]  # scale [N, groups] or [N / 16, groups, 16]
 
     def nbytes(self) -> int:
         parts = [self.qweight, self.scale] + ([self.offset] if self.offset is not None else [])
@@ -115,33 +111,30 @@ class PackedWeight:
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """fp32 W[rows] (tests, the slab path, an embedding's lookups); rows a slice or ids."""
-        if self.panels:
-            return self._dequantize_panels(rows)
-        scale = self.scale[rows]
-        if self.bits == 8:
-            q = self.qweight[rows].float()
-        else:
-            q = unpack_int4(self.qweight[rows]).float()
+        q, scale, offset = self._rows(rows)
         w = q.view(q.shape[0], scale.shape[1], -1) * scale[..., None]
-        if self.offset is not None:
-            w = w + self.offset[rows][..., None]
+        if offset is not None:
+            w = w + offset[..., None]
         return w.view(q.shape[0], -1)
 
-    def _dequantize_panels(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        """dequantize() in panels: each row gathered from its panel (an embedding's lookups)."""
-        n, k = self.shape
-        ids = torch.arange(n)[rows] if isinstance(rows, slice) else rows
-        panel, lane = ids // PANEL, ids % PANEL
-        scale = self.scale[panel, :, lane]  # [T, groups]
-        codes = self.qweight[panel, :, lane]  # [T, K] int8 | [T, K / 2] uint8 pairs
+    def _rows(
+        self, rows: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The codes (as fp32, [T, K]), scales and offsets ([T, groups]) of rows; in panels
+        each row is gathered from its panel."""
+        if self.panels:
+            ids = torch.arange(self.shape[0])[rows] if isinstance(rows, slice) else rows
+            index = (ids // PANEL, slice(None), ids % PANEL)
+        else:
+            index = rows
+        codes, offset = self.qweight[index], None if self.offset is None else self.offset[index]
         if self.bits == 8:
             q = codes.float()
+        elif self.panels:  # [T, K / 2] pairs: feature 2s low nibble, 2s + 1 high
+            q = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(codes.shape[0], -1).float()
         else:
-            q = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(ids.shape[0], k).float()
-        w = q.view(q.shape[0], scale.shape[1], -1) * scale[..., None]
-        if self.offset is not None:
-            w = w + self.offset[panel, :, lane][..., None]
-        return w.view(q.shape[0], k)
+            q = unpack_int4(codes).float()
+        return q, self.scale[index], offset
 
 
 # ---- packing -------------------------------------------------------------------------------

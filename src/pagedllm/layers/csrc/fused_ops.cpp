@@ -466,11 +466,9 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
     const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
                                                               : c10::nullopt;
-    at::Tensor y = w.dim() == 3  // codes in panels
-                       ? quant_panel_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
-                                                      c10::nullopt)
-                       : weight_only_linear_op().call(x, w, scale, offset, -levels, c10::nullopt,
-                                                      c10::nullopt);
+    // 3-D codes are in panels
+    const auto& op = w.dim() == 3 ? quant_panel_linear_op() : weight_only_linear_op();
+    at::Tensor y = op.call(x, w, scale, offset, -levels, c10::nullopt, c10::nullopt);
     return bias.defined() ? y + bias : y;
   }
   if (!rowsum.defined()) {

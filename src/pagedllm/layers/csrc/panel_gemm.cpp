@@ -86,10 +86,6 @@ struct Tile {
 
 #if PAGEDLLM_X86 && defined(__GNUC__)
 
-__attribute__((target("avx512f"))) inline __m512 bf16_to_f32(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // fp32 bits rounded to nearest even at bit 16: the bf16 is the upper half (finite v).
 __attribute__((target("avx512f"))) inline __m512i rounded_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -277,64 +273,67 @@ struct Quant {
   bool int4;
 };
 
-// The 16 outputs of panel p at input features k and k + 1 (k even) in fp32, with the group's
-// scale d and offset m (int4) already loaded.
-__attribute__((target("avx512f"))) inline void dequant_pair(const Quant& q, int64_t p, int64_t k,
-                                                            __m512 d, __m512 m, __m512& even,
-                                                            __m512& odd) {
-  if (q.int4) {
+// The codes of panel p's 16 outputs at input features k and k + 1 (k even), as fp32.
+template <bool INT4>
+__attribute__((target("avx512f"))) inline void codes_pair(const Quant& q, int64_t p, int64_t k,
+                                                          __m512& even, __m512& odd) {
+  if constexpr (INT4) {
     const __m512i v = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.codes + (p * q.k + k) / 2 * kPanel)));
-    even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
-    odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   } else {
     const int8_t* row = reinterpret_cast<const int8_t*>(q.codes) + (p * q.k + k) * kPanel;
-    even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(row)))), d);
-    odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kPanel)))), d);
+    even = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+    odd = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kPanel))));
   }
 }
 
 // Round to bf16 (nearest even) and interleave: lane j = (bf16(even[j]), bf16(odd[j])).
 __attribute__((target("avx512f"))) inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
   return _mm512_or_si512(_mm512_srli_epi32(rounded_bits(even), 16),
-                         _mm512_and_si512(rounded_bits(odd), _mm512_set1_epi32(int32_t(0xffff0000u))));
+                         _mm512_and_si512(rounded_bits(odd), high));
 }
 
-template <typename T>
+// Panels [p, p + nr) at input features [k0, k1) as the float panel layout (w = d q + m).
+template <bool INT4, typename T>
 __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p, int nr,
                                                       int64_t k0, int64_t k1, T* out) {
   for (int j = 0; j < nr; ++j)
     for (int64_t b = k0; b < k1; b += 32) {  // a group holds whole blocks of 32 features
       const int64_t c = ((p + j) * q.groups + b / q.group) * kPanel;
       const __m512 d = _mm512_loadu_ps(q.scale + c);
-      const __m512 m = q.int4 ? _mm512_loadu_ps(q.offset + c) : _mm512_setzero_ps();
+      const __m512 m = INT4 ? _mm512_loadu_ps(q.offset + c) : _mm512_setzero_ps();
       for (int64_t k = b; k < b + 32; k += 2) {
-      __m512 even, odd;
-      dequant_pair(q, p + j, k, d, m, even, odd);
-      if constexpr (std::is_same_v<T, float>) {
-        float* dst = out + (j * kQuantSliceK + (k - k0)) * kPanel;
-        _mm512_storeu_ps(dst, even);
-        _mm512_storeu_ps(dst + kPanel, odd);
-      } else {
-        T* dst = out + (j * kQuantSliceK + (k - k0)) * kPanel;  // (k - k0) / 2 pairs of 32
-        _mm512_storeu_si512(dst, bf16_pairs(even, odd));
-      }
+        __m512 even, odd;
+        codes_pair<INT4>(q, p + j, k, even, odd);
+        even = _mm512_fmadd_ps(even, d, m);
+        odd = _mm512_fmadd_ps(odd, d, m);
+        T* dst = out + (j * kQuantSliceK + (k - k0)) * kPanel;  // bf16: (k - k0) / 2 pairs of 32
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_storeu_ps(dst, even);
+          _mm512_storeu_ps(dst + kPanel, odd);
+        } else {
+          _mm512_storeu_si512(dst, bf16_pairs(even, odd));
+        }
       }
     }
 }
 
-// Up to kSmallRows rows (decode): the codes unpacked in registers, never stored. Per block of 32 input
-// features, s = sum_k x[k] q[k] over the block's codes, then y += d * s (+ m * sum_k x[k] for
-// int4): the group constants are applied once per block, not per weight. x in fp32 (exact),
-// xsum its per-block sums (int4 only).
+// Up to kSmallRows rows (decode): the codes unpacked in registers, never stored. Per block of
+// 32 input features, s = sum_k x[k] q[k] over the block's codes, then y += d * s (+ m *
+// sum_k x[k] for int4): the group constants are applied once per block, not per weight. x in
+// fp32 (exact), xsum its per-block sums (int4 only).
 constexpr int kSmallRows = 8;  // beyond: the dequantized scratch (measured crossover)
 
 template <int MR, int NR, bool INT4>
 __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const float* x,
                                                          const float* xsum, int64_t p,
-                                                         const float* bias, float (&out)[MR][NR][16]) {
+                                                         const float* bias,
+                                                         float (&out)[MR][NR][16]) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j)
@@ -347,18 +346,7 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
     for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
       for (int j = 0; j < NR; ++j) {
         __m512 lo, hi;
-        if constexpr (INT4) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(q.codes + ((p + j) * q.k + k) / 2 * kPanel)));
-          lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-        } else {
-          const int8_t* row = reinterpret_cast<const int8_t*>(q.codes) + ((p + j) * q.k + k) * kPanel;
-          lo = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kPanel))));
-        }
+        codes_pair<INT4>(q, p + j, k, lo, hi);
         for (int i = 0; i < MR; ++i) {
           s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * q.k + k]), lo, s[i][j]);
           s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * q.k + k + 1]), hi, s[i][j]);
@@ -447,7 +435,7 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
   Tile<T> t{};
   t.dp = dp;
   t.xs = x.stride(0);
-  t.panel = kQuantSliceK / per_step * (kPanel * per_step);
+  t.panel = kQuantSliceK * kPanel;  // elements per panel of the scratch, either layout
   t.ys = y.stride(0);
   t.w = scratch.data();
   for (int64_t p = p0; p < p1; p += kMaxNR) {
@@ -455,7 +443,10 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
     t.bias = bias != nullptr ? bias + p * kPanel : nullptr;
     for (int64_t k0 = 0; k0 < q.k; k0 += kQuantSliceK) {
       const int64_t k1 = std::min(q.k, k0 + kQuantSliceK);
-      dequant_slice<T>(q, p, nr, k0, k1, scratch.data());
+      if (q.int4)
+        dequant_slice<true>(q, p, nr, k0, k1, scratch.data());
+      else
+        dequant_slice<false>(q, p, nr, k0, k1, scratch.data());
       t.k0 = 0;
       t.k1 = (k1 - k0) / per_step;
       t.first = k0 == 0;
@@ -491,12 +482,17 @@ Isa isa_from_name(const std::string& name) {
 
 // isa: the instruction set to run (tests of the path a CPU without AVX512-BF16 takes);
 // default: the best this CPU has.
+Isa isa_to_run(const c10::optional<std::string>& isa, const char* op) {
+  const Isa use = isa.has_value() ? isa_from_name(*isa) : cpu_isa();
+  TORCH_CHECK(cpu_isa() != Isa::kNone && use <= cpu_isa(), op, ": this CPU lacks ",
+              use == Isa::kAvx512Bf16 ? "AVX512-BF16" : "AVX-512F");
+  return use;
+}
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias,
                         const c10::optional<std::string>& isa) {
-  const Isa use = isa.has_value() ? isa_from_name(*isa) : cpu_isa();
-  TORCH_CHECK(cpu_isa() != Isa::kNone && use <= cpu_isa(), "panel_linear: this CPU lacks ",
-              use == Isa::kAvx512Bf16 ? "AVX512-BF16" : "AVX-512F");
+  const Isa use = isa_to_run(isa, "panel_linear");
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) * w.element_size() == 64,
               "panel_linear: weight panels [N / 16, K (/ 2), 16 (* 2)]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
@@ -513,7 +509,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const bool sliced = w.size(1) > slice_steps(m, w.size(1), w.size(2), w.element_size());
   // bfloat16 keeps fp32 partial sums between K slices (float32 keeps them in y)
   at::Tensor acc;
-  if (sliced && x.scalar_type() == at::kBFloat16) acc = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (sliced && x.scalar_type() == at::kBFloat16)
+    acc = at::empty({m, n}, x.options().dtype(at::kFloat));
   float* ap = acc.defined() ? acc.data_ptr<float>() : nullptr;
   // Tasks of whole panels streaming at least ~32 KiB of weight, or of work at many rows.
   const int64_t panel_bytes = k * kPanel * x.element_size();
@@ -536,9 +533,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
                               int64_t bits, const c10::optional<at::Tensor>& bias,
                               const c10::optional<std::string>& isa) {
-  const Isa use = isa.has_value() ? isa_from_name(*isa) : cpu_isa();
-  TORCH_CHECK(cpu_isa() != Isa::kNone && use <= cpu_isa(), "quant_panel_linear: this CPU lacks ",
-              use == Isa::kAvx512Bf16 ? "AVX512-BF16" : "AVX-512F");
+  const Isa use = isa_to_run(isa, "quant_panel_linear");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_linear: bits 4 or 8");
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
                   codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
@@ -569,12 +564,11 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
                 offset.has_value() ? offset->data_ptr<float>() : nullptr,
                 n, k, k / groups, groups, bits == 4};
   const int64_t panel_bytes = k * kPanel * bits / 8;
-  const int64_t work = panel_bytes * std::max<int64_t>(1, m / kMaxMR);
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / work);
 #if PAGEDLLM_X86 && defined(__GNUC__)
   if (m <= kSmallRows) {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const at::Tensor xsum = bits == 4 ? xf.view({m, k / 32, 32}).sum(-1).contiguous() : at::Tensor();
+    const at::Tensor xsum =
+        bits == 4 ? xf.view({m, k / 32, 32}).sum(-1).contiguous() : at::Tensor();
     const float* xp = xf.data_ptr<float>();
     const float* sp = xsum.defined() ? xsum.data_ptr<float>() : nullptr;
     const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / panel_bytes);
@@ -586,6 +580,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
     });
     return y;
   }
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * (m / kMaxMR)));
   at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
     if (bf16)
       quant_panels<at::BFloat16>(x, q, bp, y, ap, use == Isa::kAvx512Bf16, p0, p1);
