@@ -78,8 +78,9 @@ class Replica:
     def prefix_hits(self) -> float:
         return self.metric("prefix_cache_hits_total")
 
-    def complete(self, prompt: str, max_tokens: int = 2) -> httpx.Response:
+    def complete(self, prompt: str, max_tokens: int = 2, **fields: object) -> httpx.Response:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body.update(fields)
         return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
 
     def kill(self) -> None:
@@ -140,8 +141,9 @@ class Router:
     log: Path
     replicas: list[Replica] = field(default_factory=list)
 
-    def complete(self, prompt: str, max_tokens: int = 2) -> httpx.Response:
+    def complete(self, prompt: str, max_tokens: int = 2, **fields: object) -> httpx.Response:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body.update(fields)
         return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
 
     def route(self, prompt: str) -> int:
