@@ -100,6 +100,12 @@ def PAGEDLLM_CPU_PANEL_WEIGHTS() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_PANEL_WEIGHTS", "1") != "0"
 
 
+def PAGEDLLM_CPU_BF16_DOT_ATTENTION() -> bool:  # noqa: N802
+    """bf16 attention on vdpbf16ps where the CPU has AVX512-BF16 (default on); 0 takes the
+    kernel's vector-extension path, which converts K/V rows to fp32, e.g. to A/B it."""
+    return os.environ.get("PAGEDLLM_CPU_BF16_DOT_ATTENTION", "1") != "0"
+
+
 def PAGEDLLM_CPU_FUSED_DECODER() -> bool:  # noqa: N802
     """Run a CPU model's decoder layers in one C++ call per step (default on; needs the fused
     ops); 0 runs them module by module in Python (the same kernels, the same results)."""

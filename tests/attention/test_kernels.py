@@ -17,14 +17,23 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@pytest.fixture(scope="module", params=["cpu", "torch"])
-def impl(request) -> str:
-    if request.param == "cpu" and not cpu_kernels.load():
+@pytest.fixture(scope="module", params=["cpu", "cpu-vector", "torch"])
+def impl(request):
+    """cpu: the C++ kernel as it runs here (bf16 on vdpbf16ps where the CPU has AVX512-BF16);
+    cpu-vector: the same kernel with that path off (every dtype on the vector-extension code)."""
+    if request.param == "torch":
+        yield "torch"
+        return
+    if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
-    return request.param
+    before = cpu_kernels.bf16_dot()
+    cpu_kernels.bf16_dot(before and request.param == "cpu")
+    yield request.param
+    cpu_kernels.bf16_dot(before)
 
 
 def run_case(impl: str, case, seed: int, block_size: int | None):
+    impl = "torch" if impl == "torch" else "cpu"
     q, k, v = make_tensors(case, seed)
     batch = VarlenBatch(
         cu_seqlens_q=cu_seqlens(case.q_lens),
@@ -87,7 +96,7 @@ def test_rows_that_see_no_key_are_zero(impl):
 
 def test_threads_split_work_without_changing_results(impl):
     """Items handed out through the shared counter: 2 threads give the 1-thread result."""
-    if impl != "cpu":
+    if impl == "torch":
         pytest.skip("the C++ kernel's own threading")
     case = random_case(random.Random(5), (torch.bfloat16,), (64,))
     case.q_lens, case.k_lens, case.heads, case.kv_heads = [1] * 9 + [40], [50] * 9 + [60], 4, 2
@@ -100,3 +109,39 @@ def test_threads_split_work_without_changing_results(impl):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def cpu_has_bf16_dot() -> bool:
+    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_bf16_dot_path_matches_reference_and_the_vector_path(head_dim, block_size):
+    """bf16 on vdpbf16ps (P rounded to bf16 pairs of keys, V rows of two keys interleaved):
+    within bf16 tolerance of the reference and of the vector path, over decode rows (one
+    query a sequence, GQA groups of 1-4), odd key counts (padded pairs), windows and tiles."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    if not cpu_has_bf16_dot():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path")
+    assert cpu_kernels.bf16_dot()  # on by default where the CPU has it
+    rng = random.Random(head_dim)
+    differ = 0
+    for seed in range(4):
+        case = random_case(rng, (torch.bfloat16,), (head_dim,), max_len=40)
+        if seed % 2 == 0:  # decode: one query a sequence over 1-300 keys, 12 sequences (on
+            # 2 threads each claims its next item ahead and prefetches its first keys)
+            case.q_lens = [1] * 12
+            case.k_lens = [rng.randint(1, 300) for _ in case.q_lens]
+        out, _, want, _ = run_case("cpu", case, seed, block_size)
+        try:
+            cpu_kernels.bf16_dot(False)
+            vector = run_case("cpu", case, seed, block_size)[0]
+        finally:
+            cpu_kernels.bf16_dot(True)
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out.float(), vector.float(), atol=3e-2, rtol=3e-2)
+        differ += not torch.equal(out, vector)
+    assert differ  # two paths, not one taken twice (one key a row gives V on both)

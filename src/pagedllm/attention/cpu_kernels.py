@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.metadata import VarlenBatch
 from pagedllm.attention.tuning import AttentionTuning, env_tiles, get_tuning
 from pagedllm.cpp_build import arch_flags, load_library
@@ -22,7 +23,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @functools.cache
 def load() -> bool:
     """Load the kernel, building it first if no process has yet; False if that fails."""
-    return (
+    loaded = (
         load_library(
             _SOURCE,
             ["-O3", "-fopenmp", *arch_flags()],
@@ -32,6 +33,15 @@ def load() -> bool:
         )  # fmt: skip
         is not None
     )
+    if loaded and not envs.PAGEDLLM_CPU_BF16_DOT_ATTENTION():
+        torch.ops.pagedllm_attention.bf16_dot(0)
+    return loaded
+
+
+def bf16_dot(enable: bool | None = None) -> bool:
+    """Whether bf16 attention runs on vdpbf16ps (the CPU has AVX512-BF16 and the path is
+    on); ``enable`` turns the path on or off for the process first. load() must be True."""
+    return bool(torch.ops.pagedllm_attention.bf16_dot(-1 if enable is None else int(enable)))
 
 
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:

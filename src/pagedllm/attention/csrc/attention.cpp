@@ -7,6 +7,12 @@
 // together (hadd tree). P @ V: a 4-row x 16-dim outer-product micro-kernel. Both convert
 // bf16/fp16 rows on the fly. Written with GCC/Clang vector extensions: AVX2 registers here,
 // NEON pairs elsewhere, no intrinsics.
+//
+// bf16 K/V on a CPU with AVX512-BF16 (checked at run time) take a path of their own, with
+// both products on vdpbf16ps (two bf16 products summed into an fp32 lane): scores as 16 dot
+// products of one query row with 16 keys, reduced together (a transpose-add tree); P @ V with
+// the probabilities rounded to bf16 pairs of keys, times V rows of two keys interleaved
+// (flash-attn's bf16 P on GPUs). It does a fifth of the old path's vector instructions per key.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -21,6 +27,13 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
 
 namespace {
 
@@ -166,6 +179,7 @@ struct Problem {
   int window_left, window_right;   // -1: unbounded (causal is window_right == 0)
   int block_m, block_n;
   int kv_per_item;                 // kv heads handled by one work item (divides kv_heads)
+  bool bf16_dot;                   // bf16 with AVX512-BF16 and dim % 32 == 0: the dot path
 };
 
 struct Item {
@@ -180,6 +194,9 @@ struct Scratch {
   std::vector<int64_t> koff, voff;     // element offsets of the tile's keys (kv head 0)
   std::vector<const void*> krow, vrow;  // the tile's rows for the current head
   std::vector<int64_t> pos;            // query position of each row
+  std::vector<uint16_t> qb;            // bf16-dot path: the rows' queries as stored (bf16)
+  std::vector<uint32_t> pb;            // bf16-dot path: probabilities, bf16 pairs of keys
+  bool first = true;                   // no item done yet (none prefetched the next one)
 };
 
 template <typename F>
@@ -345,7 +362,7 @@ void load_queries(const Problem& p, int q_start, int t0, int rows, int kv, float
   }
 }
 
-template <typename T>
+template <typename T, int (*Pos)(int) = lane_pos<T>>
 void store_rows(const Problem& p, int q_start, int t0, int rows, int kv, const float* o,
                 const float* m, const float* l) {
   const int G = p.heads / p.kv_heads;
@@ -355,15 +372,268 @@ void store_rows(const Problem& p, int q_start, int t0, int rows, int kv, const f
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     T* dst = out + (q_start + t) * p.o_tok + h * p.o_head;
     const float* src = o + (int64_t)r * p.dim;
-    for (int d = 0; d < p.dim; ++d) dst[d] = static_cast<T>(src[lane_pos<T>(d)] * inv);
+    for (int d = 0; d < p.dim; ++d) dst[d] = static_cast<T>(src[Pos(d)] * inv);
     if (p.lse != nullptr)  // flash-attn reports +inf for a row that sees no key
       p.lse[h * p.lse_head + q_start + t] =
           l[r] > 0.0f ? m[r] + std::log(l[r]) : std::numeric_limits<float>::infinity();
   }
 }
 
+// ---- bf16 K/V with AVX512-BF16: both products on vdpbf16ps ----------------------------------
+
+#if HAVE_BF16_DOT
+#define BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+bool cpu_has_bf16_dot() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+// Lane i of the result is the horizontal sum of a[i]: pairs of vectors folded within 128-bit
+// lanes (unpack, shuffle), then across them (shuffle_f32x4); 45 operations for 16 sums.
+BF16_DOT ALWAYS_INLINE __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a02 b02 a13 b13
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: a b c d
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[c] = scale * <q, k[c]> for 16 keys: 32 input features (16 pairs) per vdpbf16ps.
+BF16_DOT inline void dot_scores16(const uint16_t* q, int dim, const c10::BFloat16* const* krow,
+                                  float scale, float* s) {
+  __m512 acc[16];
+  for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
+  for (int d = 0; d < dim; d += 32) {
+    const __m512bh x = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int c = 0; c < 16; ++c)
+      acc[c] = _mm512_dpbf16_ps(acc[c], x, (__m512bh)_mm512_loadu_si512(krow[c] + d));
+  }
+  _mm512_storeu_ps(s, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+
+// A row's probabilities as bf16 pairs of keys: pair j / 2 holds keys j (low half), j + 1.
+BF16_DOT inline void to_pairs(const float* s, int n_pad, uint32_t* pairs) {
+  int c = 0;
+  for (; c + 32 <= n_pad; c += 32)
+    _mm512_storeu_si512(pairs + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + 16),
+                                                                     _mm512_loadu_ps(s + c)));
+  if (c < n_pad)  // 16 left (n_pad is a multiple of 16)
+    _mm256_storeu_si256((__m256i*)(pairs + c / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
+}
+
+// Where element d of an output row sits in this path's accumulators: per 32 features, the
+// unpacklo lanes (features 0-3 of each group of 8), then the unpackhi lanes (4-7).
+inline int dot_pos(int d) {
+  const int e = d & 31, group = e >> 3, i = e & 7;
+  return (d & ~31) + (i < 4 ? group * 4 + i : 16 + group * 4 + i - 4);
+}
+
+// o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] over keys [j0, j1) for R rows, NC chunks of 32
+// features from d (alpha null: no rescale): the V rows of keys j and j + 1 interleaved
+// (unpack) meet the broadcast pair of their probabilities in one vdpbf16ps per 16 outputs.
+template <int R, int NC>
+BF16_DOT inline void dot_pv(const uint32_t* pairs, int pair_stride,
+                            const c10::BFloat16* const* vrow, int j0, int j1, const float* alpha,
+                            float* o, int dim, int d) {
+  __m512 acc[R][2 * NC];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 2 * NC; ++k) {
+      acc[r][k] = _mm512_loadu_ps(o + r * dim + d + 16 * k);
+      if (alpha != nullptr) acc[r][k] = _mm512_mul_ps(acc[r][k], _mm512_set1_ps(alpha[r]));
+    }
+  for (int j = j0; j < j1; j += 2) {
+    __m512i v[2 * NC];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i a = _mm512_loadu_si512(vrow[j] + d + 32 * c);
+      const __m512i b = _mm512_loadu_si512(vrow[j + 1] + d + 32 * c);
+      v[2 * c] = _mm512_unpacklo_epi16(a, b);
+      v[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r * pair_stride + j / 2]);
+      for (int k = 0; k < 2 * NC; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, (__m512bh)v[k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 2 * NC; ++k) _mm512_storeu_ps(o + r * dim + d + 16 * k, acc[r][k]);
+}
+
+template <int R>
+BF16_DOT void dot_pv_rows(const uint32_t* pairs, int pair_stride, const c10::BFloat16* const* vrow,
+                          int j0, int j1, const float* alpha, float* o, int dim) {
+  int d = 0;
+  for (; d + 64 <= dim; d += 64) dot_pv<R, 2>(pairs, pair_stride, vrow, j0, j1, alpha, o, dim, d);
+  if (d < dim) dot_pv<R, 1>(pairs, pair_stride, vrow, j0, j1, alpha, o, dim, d);
+}
+
+// The next tile's slots (the item's heads of each: `bytes` from `k` / `v` plus the offsets;
+// on the last tile, the first tile of the item this thread takes next), requested a few slots
+// per score call while this tile computes, into L2 (prefetcht1). A whole tile at once (tens of
+// KB) is more than the core keeps in flight, and into L1 it evicts what is being read: both
+// measured no faster than no prefetch, this a third faster (benchmarks/attention.py).
+struct NextSlots {
+  const c10::BFloat16* k = nullptr;
+  const c10::BFloat16* v = nullptr;
+  const int64_t* koff = nullptr;
+  const int64_t* voff = nullptr;
+  int n = 0;  // slots of the next tile (0: none)
+  int64_t bytes = 0;
+
+  void prefetch(int c0, int c1) const {
+    for (int c = c0; c < std::min(n, c1); ++c) {
+      const char* kr = reinterpret_cast<const char*>(k + koff[c]);
+      const char* vr = reinterpret_cast<const char*>(v + voff[c]);
+      for (int64_t i = 0; i < bytes; i += 64) to_l2(kr + i), to_l2(vr + i);
+    }
+  }
+
+  // prefetcht1 as an asm statement: GCC 12's dead-code elimination drops __builtin_prefetch
+  // in this loop (it has no result), and the tile then waits on memory (measured 1.5x slower).
+  static void to_l2(const char* line) { asm volatile("prefetcht1 %0" : : "m"(*line)); }
+};
+
+// One key tile (n valid keys of n_pad, a multiple of 16) for the item's H kv heads. Memory is
+// walked in slot order: each group of 16 keys is scored for every head before the next group
+// (a slot's heads are adjacent), and P @ V goes over groups of 32 keys the same way, so the
+// lines of a block are read together rather than once per head pass.
+BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0, int n,
+                       int n_pad, const NextSlots& next) {
+  const int D = p.dim, pair_stride = n_pad / 2;
+  const auto* krow = reinterpret_cast<const c10::BFloat16* const*>(w.krow.data());
+  const auto* vrow = reinterpret_cast<const c10::BFloat16* const*>(w.vrow.data());
+  const int64_t head_s = (int64_t)rows * n_pad, head_q = (int64_t)rows * D;
+  for (int c = 0; c < n_pad; c += 16) {
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < rows; ++r) {
+        const int part = h * rows + r, parts = H * rows;
+        next.prefetch(c + 16 * part / parts, c + 16 * (part + 1) / parts);
+        dot_scores16(w.qb.data() + h * head_q + (int64_t)r * D, D, krow + h * n_pad + c, p.scale,
+                     w.s.data() + h * head_s + (int64_t)r * n_pad + c);
+      }
+  }
+  for (int h = 0; h < H; ++h) {
+    float* s = w.s.data() + h * head_s;
+    float* alpha = w.alpha.data() + (int64_t)h * rows;
+    mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
+    softmax_update(s, rows, n, n_pad, w.m.data() + (int64_t)h * rows,
+                   w.l.data() + (int64_t)h * rows, alpha);
+    for (int r = 0; r < rows; ++r)
+      to_pairs(s + (int64_t)r * n_pad, n_pad, w.pb.data() + (h * rows + r) * (int64_t)pair_stride);
+  }
+  for (int c = 0; c < n_pad; c += 32) {
+    const int c1 = std::min(n_pad, c + 32);
+    for (int h = 0; h < H; ++h)
+      row_blocks(rows, [&](int r, auto R) {
+        const int64_t row = (int64_t)h * rows + r;
+        dot_pv_rows<decltype(R)::value>(w.pb.data() + row * pair_stride, pair_stride,
+                                        vrow + h * n_pad, c, c1,
+                                        c == 0 ? w.alpha.data() + row : nullptr,
+                                        w.o.data() + row * D, D);
+      });
+  }
+}
+
+// The keys [lo, hi) that an item's rows may see (causal / window edges).
+void key_range(const Problem& p, const Item& item, int64_t* lo, int64_t* hi) {
+  const int b = item.seq, len_q = p.cu_q[b + 1] - p.cu_q[b], len_k = p.seq_lens_k[b];
+  const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
+  const int64_t first = t0 + (int64_t)len_k - len_q, last = (t1 - 1) + (int64_t)len_k - len_q;
+  *lo = p.window_left >= 0 ? std::max<int64_t>(0, first - p.window_left) : 0;
+  *hi = p.window_right >= 0 ? std::min<int64_t>(len_k, last + p.window_right + 1) : len_k;
+}
+
+// attend() for bf16 K/V on the dot path: the same items, tiles and online softmax. `after`:
+// the item this thread takes next (its first tile is prefetched during this one's last).
+void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scratch& w) {
+  using T = c10::BFloat16;
+  const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
+  const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
+  const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
+  const int rows = (t1 - t0) * G, n_pad = (p.block_n + 15) / 16 * 16;
+  w.qb.resize((size_t)H * rows * D);
+  w.o.assign((size_t)H * rows * D, 0.0f);
+  w.m.assign((size_t)H * rows, kNegInf);
+  w.l.assign((size_t)H * rows, 0.0f);
+  w.s.resize((size_t)H * rows * n_pad);
+  w.pb.resize((size_t)H * rows * n_pad / 2);
+  w.alpha.resize((size_t)H * rows);
+  w.pos.resize(rows);
+  w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad);
+  w.krow.resize((size_t)H * n_pad), w.vrow.resize((size_t)H * n_pad);
+  const T* qbase = static_cast<const T*>(p.q);
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < rows; ++r) {
+      const int t = t0 + r / G, head = (item.kv0 + h) * G + r % G;
+      std::memcpy(w.qb.data() + ((int64_t)h * rows + r) * D,
+                  qbase + (q_start + t) * p.q_tok + head * p.q_head, D * sizeof(T));
+    }
+  for (int r = 0; r < rows; ++r) w.pos[r] = t0 + r / G + (int64_t)len_k - len_q;
+  int64_t lo, hi;
+  key_range(p, item, &lo, &hi);
+  const T* kbase = static_cast<const T*>(p.k) + item.kv0 * p.k_head;
+  const T* vbase = static_cast<const T*>(p.v) + item.kv0 * p.v_head;
+  int64_t *koff = w.koff.data(), *voff = w.voff.data();
+  int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
+  const int64_t slot_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
+  if (lo < hi) {  // the previous item prefetched this tile (the first item: nothing did)
+    key_offsets(p, b, lo, (int)std::min<int64_t>(p.block_n, hi - lo), n_pad, koff, voff);
+    if (w.first) {
+      prefetch_rows(kbase, koff, (int)std::min<int64_t>(p.block_n, hi - lo), slot_bytes);
+      prefetch_rows(vbase, voff, (int)std::min<int64_t>(p.block_n, hi - lo), slot_bytes);
+    }
+  }
+  w.first = false;
+  for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
+    const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
+    NextSlots next;
+    if (j0 + n < hi) {
+      next = {kbase, vbase, koff_next, voff_next, (int)std::min<int64_t>(p.block_n, hi - j0 - n),
+              slot_bytes};
+      key_offsets(p, b, j0 + n, next.n, n_pad, koff_next, voff_next);
+    } else if (after != nullptr) {
+      int64_t lo2, hi2;
+      key_range(p, *after, &lo2, &hi2);
+      if (lo2 < hi2) {
+        next = {static_cast<const T*>(p.k) + after->kv0 * p.k_head,
+                static_cast<const T*>(p.v) + after->kv0 * p.v_head, koff_next, voff_next,
+                (int)std::min<int64_t>(p.block_n, hi2 - lo2), slot_bytes};
+        key_offsets(p, after->seq, lo2, next.n, n_pad, koff_next, voff_next);
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < n_pad; ++c) {
+        w.krow[(size_t)h * n_pad + c] = kbase + koff[c] + h * p.k_head;
+        w.vrow[(size_t)h * n_pad + c] = vbase + voff[c] + h * p.v_head;
+      }
+    dot_tile(p, w, H, rows, j0, n, n_pad, next);
+    std::swap(koff, koff_next);
+    std::swap(voff, voff_next);
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t off = (int64_t)h * rows;
+    store_rows<T, dot_pos>(p, q_start, t0, rows, item.kv0 + h, w.o.data() + off * D,
+                           w.m.data() + off, w.l.data() + off);
+  }
+}
+#else
+bool cpu_has_bf16_dot() { return false; }
+void attend_bf16_dot(const Problem&, const Item&, const Item*, Scratch&) {}
+#endif
+
 template <typename T>
-void attend(const Problem& p, const Item& item, Scratch& w) {
+void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    if (p.bf16_dot) return attend_bf16_dot(p, item, after, w);
+  }
   const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
   const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
   const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
@@ -441,9 +711,17 @@ void run(const Problem& p, const std::vector<Item>& items) {
   const int64_t total = (int64_t)items.size();
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  // On the dot path with many items, each thread claims its next item before it starts one,
+  // so that the current item can prefetch the next one's first keys (with few items, holding
+  // one back could idle a thread at the end).
+  const bool ahead = p.bf16_dot && total >= 4 * threads;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w;
-    for (int64_t i = next++; i < total; i = next++) attend<T>(p, items[i], w);
+    for (int64_t i = next++; i < total;) {
+      const int64_t j = ahead ? next++ : total;
+      attend<T>(p, items[i], j < total ? &items[j] : nullptr, w);
+      i = ahead ? j : next++;
+    }
   });
 }
 
@@ -466,6 +744,19 @@ std::vector<Item> make_items(Problem& p, int64_t batch) {
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   return items;
+}
+
+std::atomic<bool>& bf16_dot_flag() {
+  static std::atomic<bool> flag{cpu_has_bf16_dot()};
+  return flag;
+}
+
+bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed); }
+
+// The bf16-dot path: -1 asks, 0 / 1 turn it off / on (on only where the CPU has it).
+bool bf16_dot(int64_t enable) {
+  if (enable >= 0) bf16_dot_flag() = enable > 0 && cpu_has_bf16_dot();
+  return bf16_dot_enabled();
 }
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -530,6 +821,7 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.window_right = (int)window_right;
   p.block_n = (int)std::max<int64_t>(2, block_n);
   p.block_m = (int)std::max<int64_t>(1, block_m);
+  p.bf16_dot = q.scalar_type() == at::kBFloat16 && p.dim % 32 == 0 && bf16_dot_enabled();
   const std::vector<Item> items = make_items(p, seq_lens_k.size(0));
   switch (q.scalar_type()) {
     case at::kFloat: return run<float>(p, items);
@@ -547,4 +839,5 @@ TORCH_LIBRARY(pagedllm_attention, m) {
       "Tensor seq_lens_k, Tensor? cu_seqlens_k, Tensor? block_table, Tensor(b!)? lse, "
       "float scale, int window_left, int window_right, int block_m, int block_n) -> ()",
       &varlen_attention);
+  m.def("bf16_dot(int enable) -> bool", &bf16_dot);
 }
