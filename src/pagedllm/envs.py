@@ -100,6 +100,13 @@ def PAGEDLLM_CPU_PANEL_WEIGHTS() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_PANEL_WEIGHTS", "1") != "0"
 
 
+def PAGEDLLM_CPU_INT8_ACTIVATIONS() -> bool:  # noqa: N802
+    """Weight-only int8 / int4 layers in panels multiply up to 4 rows of x as int8 (rounded
+    per block of 32, llama.cpp's way) on AVX512-VNNI (default on where the CPU has it); 0 keeps
+    x in fp32 against the unpacked codes."""
+    return os.environ.get("PAGEDLLM_CPU_INT8_ACTIVATIONS", "1") != "0"
+
+
 def PAGEDLLM_CPU_BF16_DOT_ATTENTION() -> bool:  # noqa: N802
     """bf16 attention on vdpbf16ps where the CPU has AVX512-BF16 (default on); 0 takes the
     kernel's vector-extension path, which converts K/V rows to fp32, e.g. to A/B it."""

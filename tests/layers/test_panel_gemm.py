@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.int8_activations import int8_activation_reference
 
 from pagedllm.layers import panel_gemm
 
@@ -177,12 +178,16 @@ def test_quantized_weights_round_trip_through_panels(bits, group):
         assert torch.equal(panels.qweight[1, 5] >> 4, codes[16:32, 11].to(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype,isa,tol", CASES)
-@pytest.mark.parametrize("bits,n,k,group", [(4, 64, 64, 32), (4, 96, 576, 64), (8, 48, 1536, 1536),
-                                            (8, 32, 320, 32)])  # fmt: skip
+QUANT_SHAPES = [(4, 64, 64, 32), (4, 96, 576, 64), (8, 48, 1536, 1536), (8, 32, 320, 32)]
+VNNI = panel_gemm.available() and panel_gemm.int8_activations_available()
+
+
+@pytest.mark.parametrize("dtype,isa,tol", [(torch.float32, "avx512", 1e-5)] + CASES[1:])
+@pytest.mark.parametrize("bits,n,k,group", QUANT_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 64])  # <= 8: in registers, beyond: scratch
 def test_quantized_panel_products_match_the_dequantized_weight(dtype, isa, tol, bits, n, k,
                                                                group, rows):  # fmt: skip
+    """x exact in fp32 (an explicit float isa): against x W^T of the dequantized weight."""
     from pagedllm.layers import weight_only
 
     torch.manual_seed(rows)
@@ -194,6 +199,30 @@ def test_quantized_panel_products_match_the_dequantized_weight(dtype, isa, tol, 
         assert y.dtype == dtype and y.shape == (rows, n)
         want = x.double() @ w.T + (0 if bias is None else b.double())
         assert (y.double() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI / VBMI on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,n,k,group", QUANT_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_int8_activation_products_match_their_reference(dtype, bits, n, k, group, rows):
+    """Up to 4 rows on VNNI (GGUF layers ask for it): exact integer dot products of the codes
+    with x rounded per block, so within float rounding of that reference, and within the
+    rounding's own error of the exact product."""
+    from pagedllm.layers import weight_only
+
+    torch.manual_seed(rows)
+    packed = weight_only.in_panels(weight_only.quantize(torch.randn(n, k), bits, group))
+    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    y = weight_only.panel_linear(x, packed, b, "avx512_vnni")
+    assert torch.equal(y, weight_only.linear(x, packed, b, int8_x=True))  # what GGUF layers run
+    want = int8_activation_reference(x, packed) + b.double()
+    exact = x.double() @ packed.dequantize().double().T + b.double()
+    scale = exact.abs().max()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # y itself is rounded to dtype
+    assert (y.double() - want).abs().max() <= tol * scale
+    assert (y.double() - exact).abs().max() <= 3e-2 * scale  # what int8 activations cost
+    assert (y.double() - exact).abs().max() > 1e-5 * scale  # and they did run
 
 
 def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):
@@ -211,7 +240,7 @@ def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):
         operands, levels = down.fused_operands()
         assert levels == -bits and operands[0].dim() == 3
         x = torch.randn(3, down.in_features)
-        want = x @ kernel.packed.dequantize().T
+        want = x @ kernel.packed.dequantize().T  # x in fp32: int8 x is for GGUF blocks only
         torch.testing.assert_close(down(x), want, rtol=1e-4, atol=1e-4)
         if bits == 8:  # the checkpoint form comes back by rows
             assert torch.equal(kernel.weight_int8(), weight_only.by_rows(kernel.packed).qweight)

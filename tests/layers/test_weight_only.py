@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.int8_activations import int8_activation_reference, int8_activations_on
 
 from pagedllm.layers import gguf_repack, weight_only
 from pagedllm.layers.linear import ReplicatedLinear
@@ -170,6 +171,12 @@ def test_repacked_weights_run_in_a_layer_and_stack_by_rows():
     x = torch.randn(3, 64)
     want = x @ torch.cat([p.dequantize() for p in packed]).t()
     assert torch.allclose(layer(x), want, atol=1e-4)
+    if int8_activations_on():  # as a GGUF file's layers run: x rounded to int8 per block
+        gguf_layer = ReplicatedLinear(64, 64)
+        install_packed(gguf_layer, merged, int8_x=True)
+        rounded = int8_activation_reference(x, weight_only.in_panels(merged)).float()
+        assert torch.allclose(gguf_layer(x), rounded, atol=1e-4)
+        assert not torch.allclose(gguf_layer(x), want, atol=1e-4)
     order = torch.randperm(64)
     swapped = gguf_repack.select_rows(merged, order)
     assert torch.equal(swapped.dequantize(), merged.dequantize()[order])

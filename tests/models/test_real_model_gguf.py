@@ -167,8 +167,12 @@ def test_q4_1_file_is_served_in_its_blocks(llm, gguf_path):
     size = gguf_path.stat().st_size
     assert size < weight_bytes(model) < size * 1.25  # codes as stored, fp32 group constants
     levels = llm.llm_engine.executor.local_runner.fast_path.operands.ints
-    assert levels[6:10] == [-4, -4, -4, -4]  # the first layer's four linears, int4
     from pagedllm.layers import panel_gemm
+
+    # The first layer's four linears, int4; on AVX512-VNNI with x rounded to int8 (-(64 + 4)).
+    int4 = -68 if panel_gemm.int8_activations() else -4
+    assert levels[6:10] == [int4] * 4
+    assert model.lm_head.quant_kernel.int8_x is False  # the head keeps x in fp32
 
     if panel_gemm.available():  # AVX-512: every packed weight in panels, one copy each
         packed = [m.packed for m in (model.model.layers[0].mlp.down_proj.quant_kernel,

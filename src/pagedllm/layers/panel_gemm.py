@@ -39,6 +39,8 @@ def load() -> bool:
     name = load_library(
         _SOURCE, ["-O3", "-fopenmp"], "pagedllm_panel", "C++ panel GEMM", "plain weights"
     )
+    if name is not None and not envs.PAGEDLLM_CPU_INT8_ACTIVATIONS():
+        torch.ops.pagedllm_panel.int8_activations(0)
     return name is not None
 
 
@@ -91,6 +93,26 @@ def rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return panels[ids // PANEL, :, ids % PANEL]
     pairs = panels.view(groups, steps, PANEL, 2)[ids // PANEL, :, ids % PANEL]  # [T, K / 2, 2]
     return pairs.reshape(ids.shape[0], steps * 2)
+
+
+def int8_activations_available() -> bool:
+    """Whether this CPU runs weight-only panels on int8 activations (AVX512-VNNI and VBMI)."""
+    if not load():
+        return False
+    current = torch.ops.pagedllm_panel.int8_activations(-1)
+    able = bool(torch.ops.pagedllm_panel.int8_activations(1))
+    torch.ops.pagedllm_panel.int8_activations(int(current))
+    return able
+
+
+def int8_activations(enable: bool | None = None) -> bool:
+    """Whether weight-only int8 / int4 panels multiply up to 4 rows of x on AVX512-VNNI, x
+    rounded to int8 per block of 32 as llama.cpp's quantized dot products do (default on where
+    the CPU has it; PAGEDLLM_CPU_INT8_ACTIVATIONS=0 starts it off); ``enable`` sets it for the
+    process first. False where the kernel did not load."""
+    if not load():
+        return False
+    return bool(torch.ops.pagedllm_panel.int8_activations(-1 if enable is None else int(enable)))
 
 
 def linear(

@@ -295,13 +295,16 @@ class GroupKernel(Int8Kernel):
 
     name = "weight_only_group"
 
-    def __init__(self, module: nn.Module, packed: weight_only.PackedWeight) -> None:
+    def __init__(
+        self, module: nn.Module, packed: weight_only.PackedWeight, int8_x: bool = False
+    ) -> None:
         self.packed = packed
         self.scale = packed.scale.new_empty(packed.shape[0])  # its length: the output features
         self.observer = None
+        self.int8_x = int8_x  # x rounded to int8 per block where the CPU can (weight_only.linear)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only.linear(x, self.packed, None)
+        return weight_only.linear(x, self.packed, None, self.int8_x)
 
     def weight_int8(self) -> torch.Tensor:
         raise TypeError("a group-quantized weight has no per-row int8 form")
@@ -309,17 +312,23 @@ class GroupKernel(Int8Kernel):
     def fused_operands(
         self, bias: torch.Tensor | None
     ) -> tuple[list[torch.Tensor | None], int] | None:
-        return _weight_only_operands(self.packed, bias)
+        return _weight_only_operands(self.packed, bias, self.int8_x)
+
+
+INT8_ACTIVATION_LEVELS = 64  # fused_ops.cpp's kInt8Activations
 
 
 def _weight_only_operands(
-    packed: weight_only.PackedWeight | None, bias: torch.Tensor | None
+    packed: weight_only.PackedWeight | None, bias: torch.Tensor | None, int8_x: bool = False
 ) -> tuple[list[torch.Tensor | None], int] | None:
     """The fused decoder's form of a weight-only product (csrc/fused_ops.cpp): codes, int4
-    offsets, group scales, bias, and -bits for the activation level."""
+    offsets, group scales, bias, and the activation level: -bits, or -(64 + bits) where x is
+    rounded to int8 (int8_x on panels, the switch on; read when the decoder is built)."""
     if packed is None or packed.qweight.device.type != "cpu" or not weight_only.load():
         return None
-    return [packed.qweight, packed.offset, packed.scale, bias], -packed.bits
+    vnni = int8_x and packed.panels and panel_gemm.int8_activations()
+    levels = -(INT8_ACTIVATION_LEVELS + packed.bits) if vnni else -packed.bits
+    return [packed.qweight, packed.offset, packed.scale, bias], levels
 
 
 KERNELS: dict[str, type[Int8Kernel]] = {
@@ -445,10 +454,15 @@ def _to_int8_class(module: nn.Module, kernel: Int8Kernel | None) -> None:
         kernel.qweight = module.weight
 
 
-def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
+def install_packed(
+    module: nn.Module, packed: weight_only.PackedWeight, int8_x: bool = False
+) -> None:
     """Make a float linear layer (or LM head) run on a group-quantized weight: int4 / int8
     codes in layers/weight_only.py's layout, from quantizing it or from a GGUF file's blocks
-    (layers/gguf_repack.py). The float weight is dropped; an empty one keeps the name."""
+    (layers/gguf_repack.py). The float weight is dropped; an empty one keeps the name.
+    int8_x: the layer rounds up to 4 rows of x to int8 per block of 32 on AVX512-VNNI, as
+    llama.cpp does for GGUF blocks; never an LM head (its logits pick the token: int8 x there
+    turned SmolLM2 Q4_1's "Paris" into French babble, tests/models/test_real_model_gguf.py)."""
     if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
         raise TypeError(f"{type(module).__name__} cannot run on packed weights")
     rows, cols = packed.shape
@@ -467,7 +481,8 @@ def install_packed(module: nn.Module, packed: weight_only.PackedWeight) -> None:
         module.__class__ = PackedVocabParallelEmbedding
         module.packed = packed
         return
-    _to_int8_class(module, GroupKernel(module, packed))
+    int8_x = int8_x and not isinstance(module, ParallelLMHead)
+    _to_int8_class(module, GroupKernel(module, packed, int8_x))
 
 
 # ---- the config and its passes ---------------------------------------------------------------

@@ -259,11 +259,15 @@ def panel_linear(
     )
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, int8_x: bool = False
+) -> torch.Tensor:
     """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear or,
-    for a weight in panels, panel_linear)."""
+    for a weight in panels, panel_linear). int8_x: up to 4 rows of x rounded to int8 per block
+    of 32 on AVX512-VNNI (GGUF blocks, llama.cpp's numerics) where the switch is on."""
     if weight.panels:
-        return panel_linear(x, weight, bias)
+        vnni = int8_x and panel_gemm.int8_activations()
+        return panel_linear(x, weight, bias, "avx512_vnni" if vnni else None)
     if x.device.type == "cpu" and load():
         return kernel_linear(x, weight, bias)
     return slab_linear(x, weight, bias)

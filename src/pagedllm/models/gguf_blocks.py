@@ -70,7 +70,7 @@ def install_gguf_blocks(
             del parts[module_name]
         if weight_only.panels_run(packed):  # once, so that a tied head shares the panels
             packed = weight_only.in_panels(packed)
-        install_packed(module, packed)
+        install_packed(module, packed, int8_x=True)  # llama.cpp's numerics (an LM head: none)
         installed.add(name)
         if name == _EMBEDDING and getattr(model, "tie_word_embeddings", False):
             install_packed(model.lm_head, packed)  # the tied head shares the codes

@@ -431,6 +431,9 @@ const c10::TypedOperatorHandle<PanelLinearFn>& panel_linear_op() {
   return op;
 }
 
+// Weight-only levels: -bits, or -(kInt8Activations + bits) for x rounded to int8 per block.
+constexpr int64_t kInt8Activations = 64;
+
 const c10::TypedOperatorHandle<WeightOnlyLinearFn>& quant_panel_linear_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagedllm_panel::quant_panel_linear", "")
@@ -466,9 +469,15 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
     const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
                                                               : c10::nullopt;
-    // 3-D codes are in panels
-    const auto& op = w.dim() == 3 ? quant_panel_linear_op() : weight_only_linear_op();
-    at::Tensor y = op.call(x, w, scale, offset, -levels, c10::nullopt, c10::nullopt);
+    const int64_t bits = -levels % kInt8Activations;
+    at::Tensor y;
+    if (w.dim() == 3) {  // codes in panels; -(64 + bits): x rounded to int8 (GGUF blocks)
+      const c10::optional<std::string> isa =
+          -levels > kInt8Activations ? c10::optional<std::string>("avx512_vnni") : c10::nullopt;
+      y = quant_panel_linear_op().call(x, w, scale, offset, bits, c10::nullopt, isa);
+    } else {
+      y = weight_only_linear_op().call(x, w, scale, offset, bits, c10::nullopt, c10::nullopt);
+    }
     return bias.defined() ? y + bias : y;
   }
   if (!rowsum.defined()) {
