@@ -106,3 +106,23 @@ def test_nothing_listens_until_the_engine_is_ready(tiny_llama, monkeypatch) -> N
     apps[0].state.engine.on_dead(RuntimeError("test over"))  # stops the server
     thread.join(timeout=60)
     assert status == [1]
+
+
+def test_the_server_process_freezes_its_startup_heap_and_threads_do_not():
+    """run_server's process moves start-up's objects out of the collector's generations
+    (gc.freeze); a server run on another thread (as in these tests) leaves them collectable."""
+    import gc
+
+    from pagedllm.entrypoints.openai.server import _freeze_startup_heap
+
+    assert gc.get_freeze_count() == 0
+    thread = threading.Thread(target=_freeze_startup_heap)
+    thread.start()
+    thread.join()
+    assert gc.get_freeze_count() == 0
+    try:
+        _freeze_startup_heap()  # pytest runs tests on the main thread
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

@@ -117,19 +117,20 @@ def _counted(calls: list, module) -> object:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_matches_torch_on_strided_qkv(dtype) -> None:
+@pytest.mark.parametrize("dim", [32, 48])  # bf16 halves of 16 features take AVX-512 vectors
+def test_rotary_matches_torch_on_strided_qkv(dtype, dim) -> None:
     torch.manual_seed(0)
-    rope = RotaryEmbedding(32, 64, 10000.0, None, dtype)
-    reference = native(lambda: RotaryEmbedding(32, 64, 10000.0, None, dtype))
-    qkv = torch.randn(5, (4 + 2 * 2) * 32, dtype=dtype)
-    q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)
-    q, k = q.view(5, 4, 32), k.view(5, 2, 32)  # strided rows, as in the attention layer
+    rope = RotaryEmbedding(dim, 64, 10000.0, None, dtype)
+    reference = native(lambda: RotaryEmbedding(dim, 64, 10000.0, None, dtype))
+    qkv = torch.randn(5, (4 + 2 * 2) * dim, dtype=dtype)
+    q, k, _ = qkv.split([4 * dim, 2 * dim, 2 * dim], dim=-1)
+    q, k = q.view(5, 4, dim), k.view(5, 2, dim)  # strided rows, as in the attention layer
     positions = torch.tensor([0, 1, 7, 63, 30])
     with torch.inference_mode():
         want_q, want_k = reference(positions, q, k)
         got_q, got_k = rope(positions, q, k)
     assert got_q.is_contiguous() and got_k.is_contiguous()
-    if dtype == torch.float32:  # same roundings, no FMA: equal to the bit
+    if dtype in (torch.float32, torch.bfloat16):  # same roundings, no FMA: equal to the bit
         assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     torch.testing.assert_close(got_q, want_q, **_tol(dtype))
     torch.testing.assert_close(got_k, want_k, **_tol(dtype))

@@ -8,6 +8,7 @@ benchmarks, notebooks), with the engine reachable in-process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -409,6 +410,7 @@ def run_server(
     previous = _stop_on_sigterm()
     try:
         app = build_app(engine_args, **app_options)
+        _freeze_startup_heap()
         sock.listen(2048)  # the engine is ready: from now on /health answers
         print(startup_banner(app, host, sock.getsockname()[1]), flush=True)
         config = uvicorn.Config(
@@ -432,6 +434,17 @@ def run_server(
         logger.critical("the engine died (%r); exiting with status 1", died[0])
         return 1
     return 0
+
+
+def _freeze_startup_heap() -> None:
+    """Move what start-up made (the model, the tokenizer, the app) out of the collector's
+    generations, as vLLM's engine core does: a full collection no longer walks those ~190,000
+    objects (on SmolLM2 they were 4.6% of a 48-row decode step's time, in gc_collect_main).
+    Only in the server's own process (on the main thread): objects frozen there are never
+    collected as cycles, which a process that makes and drops engines (tests) cannot afford."""
+    if threading.current_thread() is threading.main_thread():
+        gc.collect()
+        gc.freeze()
 
 
 def _stop_on_sigterm() -> Any:

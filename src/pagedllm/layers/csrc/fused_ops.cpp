@@ -13,6 +13,15 @@
 
 #include <cmath>
 #include <algorithm>
+#include <type_traits>
+
+// AVX-512 forms of some bf16 loops where the build targets it (-march=native on such a CPU).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BF16_VECTORS 1
+#else
+#define BF16_VECTORS 0
+#endif
 #include <cstdint>
 #include <cstring>
 
@@ -153,10 +162,59 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
+#if BF16_VECTORS
+// 16 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (nearest
+// even, NaN -> 0x7FC0): the vector form of the scalar loop below, the same bits.
+inline __m512 bf16x16_load(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i bf16x16_round(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 bf16x16_rounded(__m512 v) {  // v rounded to bf16, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round(v)), 16));
+}
+
+// rotate_rows for bf16, 16 features at a time (the scalar conversions cost a 48-row decode
+// step of SmolLM2 2.6% of its time).
+void rotate_rows_bf16(const c10::BFloat16* in, c10::BFloat16* out, const c10::BFloat16* cos,
+                      const c10::BFloat16* sin, int64_t heads, int64_t in_hs, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const c10::BFloat16* x = in + h * in_hs;
+    c10::BFloat16* y = out + h * dim;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 x1 = bf16x16_load(x + i), x2 = bf16x16_load(x + i + half);
+      const __m512 a = bf16x16_rounded(_mm512_mul_ps(x1, bf16x16_load(cos + i)));
+      const __m512 b = bf16x16_rounded(
+          _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(sin + i)));
+      const __m512 c = bf16x16_rounded(_mm512_mul_ps(x2, bf16x16_load(cos + i + half)));
+      const __m512 d = bf16x16_rounded(_mm512_mul_ps(x1, bf16x16_load(sin + i + half)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), bf16x16_round(_mm512_add_ps(a, b)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i + half),
+                          bf16x16_round(_mm512_add_ps(c, d)));
+    }
+  }
+}
+#endif
+
 template <typename T>
 void rotate_rows(const T* in, T* out, const T* cos, const T* sin, int64_t heads, int64_t in_hs,
                  int64_t dim) {
   const int64_t half = dim / 2;
+#if BF16_VECTORS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (half % 16 == 0) return rotate_rows_bf16(in, out, cos, sin, heads, in_hs, dim);
+  }
+#endif
   for (int64_t h = 0; h < heads; ++h) {
     const T* x = in + h * in_hs;
     T* y = out + h * dim;
