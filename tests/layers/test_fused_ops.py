@@ -192,3 +192,19 @@ def test_linear_layer_takes_the_gemv_at_one_row_only(monkeypatch) -> None:
                 layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
             )
     assert calls == [1]
+
+
+def test_argmax_matches_torch_on_ties_infinities_and_nan() -> None:
+    """Greedy's pick: the first of equal maxima, a NaN row's first NaN, an all -inf row 0."""
+    torch.manual_seed(0)
+    rows = torch.randn(9, 1001)  # not a multiple of the 16 lanes
+    rows[0, 5] = rows[0, 900] = 9.0  # a tie across lanes
+    rows[1] = float("-inf")
+    rows[2, 17] = rows[2, 3] = float("nan")
+    rows[3, 1000] = 50.0  # in the tail
+    rows[4] = 1.0  # all equal
+    rows[5, 16] = rows[5, 32] = 7.0  # a tie within one lane
+    for x in (rows, torch.randn(48, 49152), torch.randn(2, 7)):
+        assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
+    half = torch.randn(3, 40, dtype=torch.bfloat16)  # other dtypes: torch's own
+    assert torch.equal(cpu_fused.argmax(half), half.argmax(dim=-1))

@@ -48,3 +48,21 @@ def test_sampling_frequencies_follow_distribution():
     tokens = torch.tensor(Sampler(torch.device("cpu"))(logits, seqs).token_ids)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_greedy_picks_the_same_tokens_with_the_fused_argmax():
+    """With the fused CPU ops on, greedy rows take the C++ argmax: the same tokens as torch's
+    (ties included: the first of equal maxima)."""
+    from pagedllm.layers import cpu_fused
+
+    torch.manual_seed(0)
+    logits = torch.randn(48, 4099)
+    logits[3, 10] = logits[3, 4000] = 20.0
+    seqs = [make_seq(i, [0], [], temperature=0.0) for i in range(48)]
+    plain = Sampler(torch.device("cpu"))
+    fused = Sampler(torch.device("cpu"), cpu_fused_ops=True)
+    assert fused._argmax is (cpu_fused.argmax if cpu_fused.load() else plain._argmax)
+    want = logits.argmax(dim=-1).tolist()
+    assert plain(logits.clone(), seqs).token_ids == want
+    assert fused(logits.clone(), seqs).token_ids == want
+    assert want[3] == 10

@@ -74,3 +74,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def gemv_takes(x: torch.Tensor) -> bool:
     """Whether a layer built for the GEMV (a CPU float weight of x's dtype) runs x with it."""
     return x.dim() == 2 and x.shape[0] <= GEMV_USE_ROWS and x.stride(1) == 1
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) of fp32 rows [n, vocab] (the first of equal maxima, NaN as torch
+    counts it), in one vectorized pass: greedy sampling's pick. Other inputs: torch's."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    return torch.ops.pagedllm_fused.argmax_rows(logits.contiguous())

@@ -118,7 +118,7 @@ class ModelRunner:
         self.backend = get_attention_backend(
             device_config.attention_backend, self.device, self.kernels.attention_tiles
         )
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, self.kernels.cpu_fused_ops)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = Speculator(

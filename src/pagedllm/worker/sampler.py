@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.core.outputs import Logprob, TokenLogprobs
 from pagedllm.core.sequence import Sequence
+from pagedllm.layers import cpu_fused
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -98,10 +99,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) 
     return logits
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cpu_fused_ops: bool = False) -> None:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
+        # greedy picks on the C++ argmax (one vectorized pass; torch's took 2.6% of a 48-row
+        # SmolLM2 decode step), where the fused CPU ops are on
+        self._argmax = _torch_argmax
+        if cpu_fused_ops and device.type == "cpu" and cpu_fused.load():
+            self._argmax = cpu_fused.argmax
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -125,7 +135,7 @@ class Sampler:
         if grammar is not None:
             grammar.apply(logits)  # waits for the mask filled during the forward
         params = [s.sampling_params for s in seqs]
-        greedy = logits.argmax(dim=-1)
+        greedy = self._argmax(logits)
         if all(p.temperature == 0.0 for p in params):
             tokens = greedy
         else:
