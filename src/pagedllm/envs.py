@@ -101,9 +101,9 @@ def PAGEDLLM_CPU_PANEL_WEIGHTS() -> bool:  # noqa: N802
 
 
 def PAGEDLLM_CPU_INT8_ACTIVATIONS() -> bool:  # noqa: N802
-    """Weight-only int8 / int4 layers in panels multiply up to 4 rows of x as int8 (rounded
-    per block of 32, llama.cpp's way) on AVX512-VNNI (default on where the CPU has it); 0 keeps
-    x in fp32 against the unpacked codes."""
+    """A GGUF file's int8 / int4 layers (codes in panels, not the LM head) multiply up to 4
+    rows of x as int8 (rounded per block of 32, llama.cpp's way) on AVX512-VNNI (default on
+    where the CPU has it); 0 keeps x in fp32 against the unpacked codes."""
     return os.environ.get("PAGEDLLM_CPU_INT8_ACTIVATIONS", "1") != "0"
 
 

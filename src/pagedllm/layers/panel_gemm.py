@@ -97,19 +97,15 @@ def rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def int8_activations_available() -> bool:
     """Whether this CPU runs weight-only panels on int8 activations (AVX512-VNNI and VBMI)."""
-    if not load():
-        return False
-    current = torch.ops.pagedllm_panel.int8_activations(-1)
-    able = bool(torch.ops.pagedllm_panel.int8_activations(1))
-    torch.ops.pagedllm_panel.int8_activations(int(current))
-    return able
+    return load() and bool(torch.ops.pagedllm_panel.vnni())
 
 
 def int8_activations(enable: bool | None = None) -> bool:
-    """Whether weight-only int8 / int4 panels multiply up to 4 rows of x on AVX512-VNNI, x
-    rounded to int8 per block of 32 as llama.cpp's quantized dot products do (default on where
-    the CPU has it; PAGEDLLM_CPU_INT8_ACTIVATIONS=0 starts it off); ``enable`` sets it for the
-    process first. False where the kernel did not load."""
+    """Whether layers that ask for it (a GGUF file's, weight_only.int8_activations_run)
+    multiply up to 4 rows of x on AVX512-VNNI, x rounded to int8 per block of 32 as
+    llama.cpp's quantized dot products do (default on where the CPU has it;
+    PAGEDLLM_CPU_INT8_ACTIVATIONS=0 starts it off); ``enable`` sets it for the process first,
+    for layers built afterwards. False where the kernel did not load."""
     if not load():
         return False
     return bool(torch.ops.pagedllm_panel.int8_activations(-1 if enable is None else int(enable)))

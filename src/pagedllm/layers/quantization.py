@@ -301,7 +301,8 @@ class GroupKernel(Int8Kernel):
         self.packed = packed
         self.scale = packed.scale.new_empty(packed.shape[0])  # its length: the output features
         self.observer = None
-        self.int8_x = int8_x  # x rounded to int8 per block where the CPU can (weight_only.linear)
+        # x rounded to int8 per block (weight_only.linear), where asked and the CPU can
+        self.int8_x = int8_x and weight_only.int8_activations_run(packed)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return weight_only.linear(x, self.packed, None, self.int8_x)
@@ -323,11 +324,10 @@ def _weight_only_operands(
 ) -> tuple[list[torch.Tensor | None], int] | None:
     """The fused decoder's form of a weight-only product (csrc/fused_ops.cpp): codes, int4
     offsets, group scales, bias, and the activation level: -bits, or -(64 + bits) where x is
-    rounded to int8 (int8_x on panels, the switch on; read when the decoder is built)."""
+    rounded to int8 (int8_x, as GroupKernel decided it)."""
     if packed is None or packed.qweight.device.type != "cpu" or not weight_only.load():
         return None
-    vnni = int8_x and packed.panels and panel_gemm.int8_activations()
-    levels = -(INT8_ACTIVATION_LEVELS + packed.bits) if vnni else -packed.bits
+    levels = -(INT8_ACTIVATION_LEVELS + packed.bits) if int8_x else -packed.bits
     return [packed.qweight, packed.offset, packed.scale, bias], levels
 
 

@@ -259,15 +259,20 @@ def panel_linear(
     )
 
 
+def int8_activations_run(weight: PackedWeight) -> bool:
+    """Whether a layer that asks for int8 activations gets them here: codes in panels, and
+    panel_gemm's switch on (AVX512-VNNI / VBMI). Read when the layer is built."""
+    return weight.panels and panel_gemm.int8_activations()
+
+
 def linear(
     x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, int8_x: bool = False
 ) -> torch.Tensor:
     """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear or,
-    for a weight in panels, panel_linear). int8_x: up to 4 rows of x rounded to int8 per block
-    of 32 on AVX512-VNNI (GGUF blocks, llama.cpp's numerics) where the switch is on."""
+    for a weight in panels, panel_linear). int8_x (where int8_activations_run): up to 4 rows
+    of x rounded to int8 per block of 32 on AVX512-VNNI (GGUF blocks, llama.cpp's numerics)."""
     if weight.panels:
-        vnni = int8_x and panel_gemm.int8_activations()
-        return panel_linear(x, weight, bias, "avx512_vnni" if vnni else None)
+        return panel_linear(x, weight, bias, "avx512_vnni" if int8_x else None)
     if x.device.type == "cpu" and load():
         return kernel_linear(x, weight, bias)
     return slab_linear(x, weight, bias)

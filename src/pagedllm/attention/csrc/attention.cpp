@@ -12,7 +12,7 @@
 // both products on vdpbf16ps (two bf16 products summed into an fp32 lane): scores as 16 dot
 // products of one query row with 16 keys, reduced together (a transpose-add tree); P @ V with
 // the probabilities rounded to bf16 pairs of keys, times V rows of two keys interleaved
-// (flash-attn's bf16 P on GPUs). It does a fifth of the old path's vector instructions per key.
+// (flash-attn's bf16 P on GPUs).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -379,6 +379,16 @@ void store_rows(const Problem& p, int q_start, int t0, int rows, int kv, const f
   }
 }
 
+// The keys [lo, hi) that an item's rows may see (causal / window edges; queries are
+// aligned to the end of the keys, flash-attn's bottom-right convention).
+void key_range(const Problem& p, const Item& item, int64_t* lo, int64_t* hi) {
+  const int b = item.seq, len_q = p.cu_q[b + 1] - p.cu_q[b], len_k = p.seq_lens_k[b];
+  const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
+  const int64_t first = t0 + (int64_t)len_k - len_q, last = (t1 - 1) + (int64_t)len_k - len_q;
+  *lo = p.window_left >= 0 ? std::max<int64_t>(0, first - p.window_left) : 0;
+  *hi = p.window_right >= 0 ? std::min<int64_t>(len_k, last + p.window_right + 1) : len_k;
+}
+
 // ---- bf16 K/V with AVX512-BF16: both products on vdpbf16ps ----------------------------------
 
 #if HAVE_BF16_DOT
@@ -427,7 +437,8 @@ BF16_DOT inline void to_pairs(const float* s, int n_pad, uint32_t* pairs) {
     _mm512_storeu_si512(pairs + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + 16),
                                                                      _mm512_loadu_ps(s + c)));
   if (c < n_pad)  // 16 left (n_pad is a multiple of 16)
-    _mm256_storeu_si256((__m256i*)(pairs + c / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
+    _mm256_storeu_si256((__m256i*)(pairs + c / 2),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
 }
 
 // Where element d of an output row sits in this path's accumulators: per 32 features, the
@@ -479,7 +490,8 @@ BF16_DOT void dot_pv_rows(const uint32_t* pairs, int pair_stride, const c10::BFl
 // on the last tile, the first tile of the item this thread takes next), requested a few slots
 // per score call while this tile computes, into L2 (prefetcht1). A whole tile at once (tens of
 // KB) is more than the core keeps in flight, and into L1 it evicts what is being read: both
-// measured no faster than no prefetch, this a third faster (benchmarks/attention.py).
+// measured no faster than no prefetch, this a third faster (30 layers of a 48-sequence decode,
+// docs/architecture/attention.md).
 struct NextSlots {
   const c10::BFloat16* k = nullptr;
   const c10::BFloat16* v = nullptr;
@@ -542,15 +554,6 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
   }
 }
 
-// The keys [lo, hi) that an item's rows may see (causal / window edges).
-void key_range(const Problem& p, const Item& item, int64_t* lo, int64_t* hi) {
-  const int b = item.seq, len_q = p.cu_q[b + 1] - p.cu_q[b], len_k = p.seq_lens_k[b];
-  const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
-  const int64_t first = t0 + (int64_t)len_k - len_q, last = (t1 - 1) + (int64_t)len_k - len_q;
-  *lo = p.window_left >= 0 ? std::max<int64_t>(0, first - p.window_left) : 0;
-  *hi = p.window_right >= 0 ? std::min<int64_t>(len_k, last + p.window_right + 1) : len_k;
-}
-
 // attend() for bf16 K/V on the dot path: the same items, tiles and online softmax. `after`:
 // the item this thread takes next (its first tile is prefetched during this one's last).
 void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scratch& w) {
@@ -585,10 +588,11 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
   const int64_t slot_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
   if (lo < hi) {  // the previous item prefetched this tile (the first item: nothing did)
-    key_offsets(p, b, lo, (int)std::min<int64_t>(p.block_n, hi - lo), n_pad, koff, voff);
+    const int n = (int)std::min<int64_t>(p.block_n, hi - lo);
+    key_offsets(p, b, lo, n, n_pad, koff, voff);
     if (w.first) {
-      prefetch_rows(kbase, koff, (int)std::min<int64_t>(p.block_n, hi - lo), slot_bytes);
-      prefetch_rows(vbase, voff, (int)std::min<int64_t>(p.block_n, hi - lo), slot_bytes);
+      prefetch_rows(kbase, koff, n, slot_bytes);
+      prefetch_rows(vbase, voff, n, slot_bytes);
     }
   }
   w.first = false;
@@ -653,9 +657,8 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
     load_queries<T>(p, q_start, t0, rows, item.kv0 + h, w.q.data() + (int64_t)h * rows * D);
   // Queries are aligned to the end of the keys (flash-attn's bottom-right causal convention).
   for (int r = 0; r < rows; ++r) w.pos[r] = t0 + r / G + (int64_t)len_k - len_q;
-  int64_t lo = 0, hi = len_k;
-  if (p.window_left >= 0) lo = std::max<int64_t>(0, w.pos[0] - p.window_left);
-  if (p.window_right >= 0) hi = std::min<int64_t>(len_k, w.pos[rows - 1] + p.window_right + 1);
+  int64_t lo, hi;
+  key_range(p, item, &lo, &hi);
   const T* kbase = static_cast<const T*>(p.k);
   const T* vbase = static_cast<const T*>(p.v);
   // Two offset buffers: the current tile's and the next one's (being prefetched).

@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -23,8 +25,6 @@
 #else
 #define BF16_VECTORS 0
 #endif
-#include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -694,7 +694,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       int64_t arg = -1;
       float m = -std::numeric_limits<float>::infinity();
       for (int l = 0; l < 16; ++l)
-        if (at_[l] >= 0 && (best[l] > m || (best[l] == m && at_[l] < arg))) m = best[l], arg = at_[l];
+        if (at_[l] >= 0 && (best[l] > m || (best[l] == m && at_[l] < arg)))
+          m = best[l], arg = at_[l];
       for (; i < n; ++i) {
         nan |= v[i] != v[i];
         if (v[i] > m) m = v[i], arg = i;
