@@ -111,6 +111,35 @@ def test_threads_split_work_without_changing_results(impl):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_few_decode_sequences_split_their_keys_into_merged_chunks(impl, dtype, threads):
+    """One or two decoding sequences (fewer than 4 items a thread): each (sequence, kv head)'s
+    keys in chunks, merged by the last to finish; out and lse as the reference's, including a
+    window that leaves the early chunks no key to see (weight 0 in the merge). Two sequences
+    on one thread make 6 items: not split."""
+    if impl == "torch":
+        pytest.skip("the C++ kernel's own work split")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed, (k_lens, window) in enumerate(
+            [([1000], (-1, -1)), ([700, 130], (-1, -1)), ([900], (100, -1))]
+        ):
+            case = random_case(random.Random(seed), (dtype,), (64,))
+            case.q_lens, case.k_lens, case.window = [1] * len(k_lens), k_lens, window
+            case.heads, case.kv_heads, case.causal = 9, 3, True
+            before = cpu_kernels.split_merges()
+            out, lse, want, want_lse = run_case(impl, case, seed, block_size=16)
+            # (sequence, kv head) items: split when fewer than 4 a thread, every one of them
+            items = 3 * len(k_lens)
+            assert cpu_kernels.split_merges() - before == (items if items < 4 * threads else 0)
+            torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+            torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def cpu_has_bf16_dot() -> bool:
     flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags)

@@ -44,6 +44,12 @@ def bf16_dot(enable: bool | None = None) -> bool:
     return bool(torch.ops.pagedllm_attention.bf16_dot(-1 if enable is None else int(enable)))
 
 
+def split_merges() -> int:
+    """Split-key groups merged so far in this process: decode batches with too few (sequence,
+    kv head) items for the threads split each one's keys into chunks. load() must be True."""
+    return int(torch.ops.pagedllm_attention.split_merges())
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs (the C++ loops step 16 head dims at a time)."""
     return (

@@ -3,6 +3,8 @@
 //
 // Work item = (sequence, query tile, one or all kv heads). A tile's rows are its query tokens
 // times the query heads sharing a kv head (GQA), so every K/V row loaded serves the group.
+// Too few items for the threads (decode of a few sequences) and each one's keys are split into
+// chunks, merged by the chunk that finishes last (flash-decoding).
 // Scores: a 4-row x 2-key dot-product micro-kernel whose 8 partial vectors are reduced
 // together (hadd tree). P @ V: a 4-row x 16-dim outer-product micro-kernel. Both convert
 // bf16/fp16 rows on the fly. Written with GCC/Clang vector extensions: AVX2 registers here,
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -157,6 +160,8 @@ inline void to_scratch(const T* src, float* dst, int n, float scale) {
   }
 }
 
+struct SplitGroup;
+
 struct Problem {
   const void* q;
   const void* k;
@@ -180,11 +185,25 @@ struct Problem {
   int block_m, block_n;
   int kv_per_item;                 // kv heads handled by one work item (divides kv_heads)
   bool bf16_dot;                   // bf16 with AVX512-BF16 and dim % 32 == 0: the dot path
+  const SplitGroup* groups;        // split keys (make_items): each group's chunks
+  float* partials;                 // per chunk: o [H][rows][D], m [H][rows], l [H][rows]
+  int64_t part_floats;             // floats per chunk's record
 };
 
 struct Item {
   int seq, tile, kv0;
   int64_t cost;
+  int64_t key_lo = 0, key_hi = INT64_MAX;  // the chunk of keys this item sees
+  int group = -1, chunk = 0;       // group >= 0: chunk `chunk` of that split group
+};
+
+// The chunks of one (sequence, query tile, kv heads) whose keys were split between items: each
+// leaves its unnormalized output, running maximum and sum in `partials` [first, first +
+// chunks), and the item that finishes last merges them.
+struct SplitGroup {
+  int seq, tile, kv0, chunks;
+  int64_t first;
+  std::atomic<int>* pending;
 };
 
 struct Scratch {
@@ -291,6 +310,45 @@ void prefetch_rows(const T* base, const int64_t* off, int n, int64_t bytes) {
   }
 }
 
+// The next tile's slots (the item's heads of each: `bytes` from `k` / `v` plus the offsets;
+// on the last tile, the first tile of the item this thread takes next), requested a few slots
+// per score call while this tile computes, into L2 (prefetcht1). A whole tile at once (tens of
+// KB) is more than the core keeps in flight, and into L1 it evicts what is being read: both
+// measured no faster than no prefetch, this a third faster (30 layers of a 48-sequence decode,
+// docs/architecture/attention.md).
+template <typename T>
+struct NextSlots {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const int64_t* koff = nullptr;
+  const int64_t* voff = nullptr;
+  int n = 0;  // slots of the next tile (0: none)
+  int64_t bytes = 0;
+
+  void prefetch(int c0, int c1) const {
+    for (int c = c0; c < std::min(n, c1); ++c) {
+      const char* kr = reinterpret_cast<const char*>(k + koff[c]);
+      const char* vr = reinterpret_cast<const char*>(v + voff[c]);
+      for (int64_t i = 0; i < bytes; i += 64) to_l2(kr + i), to_l2(vr + i);
+    }
+  }
+
+  // The share of the slots that work step [at, at + step) of `of` steps requests.
+  void prefetch_share(int64_t at, int64_t step, int64_t of) const {
+    prefetch((int)(at * n / of), (int)((at + step) * n / of));
+  }
+
+  // prefetcht1 as an asm statement: GCC 12's dead-code elimination drops __builtin_prefetch
+  // in this loop (it has no result), and the tile then waits on memory (measured 1.5x slower).
+  static void to_l2(const char* line) {
+#if HAVE_BF16_DOT
+    asm volatile("prefetcht1 %0" : : "m"(*line));
+#else
+    __builtin_prefetch(line, 0, 2);
+#endif
+  }
+};
+
 // Online-softmax update of rows [0, rows) with the scores of one key tile (n valid keys).
 // Turns the scores into probabilities and writes each row's rescale factor into alpha.
 void softmax_update(float* scores, int rows, int n, int n_pad, float* m, float* l, float* alpha) {
@@ -330,18 +388,21 @@ void mask_tile(const Problem& p, const int64_t* pos, int rows, int64_t j0, int n
   }
 }
 
-// One kv head's update with one key tile: scores, mask, online softmax, P @ V.
+// One kv head's update with one key tile: scores, mask, online softmax, P @ V. Head `part` of
+// the item's `parts` requests its share of the next tile's slots, a few per pair of keys.
 template <typename T, typename KV>
 void tile_step(const Problem& p, Scratch& w, int rows, int64_t j0, int n, int n_pad, float* q,
-               float* o, float* m, float* l) {
+               float* o, float* m, float* l, const NextSlots<T>& next, int part, int parts) {
   const int D = p.dim;
   const KV* const* krow = reinterpret_cast<const KV* const*>(w.krow.data());
   const KV* const* vrow = reinterpret_cast<const KV* const*>(w.vrow.data());
   float* s = w.s.data();
   row_blocks(rows, [&](int r, auto R) {
-    for (int c = 0; c < n_pad; c += 2)
+    for (int c = 0; c < n_pad; c += 2) {
+      if (r == 0) next.prefetch_share((int64_t)part * n_pad + c, 2, (int64_t)parts * n_pad);
       qk_block<decltype(R)::value>(q + (int64_t)r * D, D, krow[c], krow[c + 1], s + r * n_pad + c,
                                    n_pad);
+    }
   });
   mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
   softmax_update(s, rows, n, n_pad, m, l, w.alpha.data());
@@ -387,6 +448,92 @@ void key_range(const Problem& p, const Item& item, int64_t* lo, int64_t* hi) {
   const int64_t first = t0 + (int64_t)len_k - len_q, last = (t1 - 1) + (int64_t)len_k - len_q;
   *lo = p.window_left >= 0 ? std::max<int64_t>(0, first - p.window_left) : 0;
   *hi = p.window_right >= 0 ? std::min<int64_t>(len_k, last + p.window_right + 1) : len_k;
+  *lo = std::max(*lo, item.key_lo);
+  *hi = std::min(*hi, item.key_hi);
+}
+
+// What to prefetch while tile [j0, j0 + n) of `item` (its keys end at hi) computes: the next
+// tile, or during the last one the first tile of `after` (the item this thread claimed next);
+// the slots' offsets go to koff / voff.
+template <typename T>
+NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, int64_t j0, int n,
+                        int64_t hi, int n_pad, int64_t* koff, int64_t* voff, int64_t bytes) {
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  NextSlots<T> next;
+  if (j0 + n < hi) {
+    next = {k + item.kv0 * p.k_head, v + item.kv0 * p.v_head, koff, voff,
+            (int)std::min<int64_t>(p.block_n, hi - j0 - n), bytes};
+    key_offsets(p, item.seq, j0 + n, next.n, n_pad, koff, voff);
+  } else if (after != nullptr) {
+    int64_t lo, end;
+    key_range(p, *after, &lo, &end);
+    if (lo < end) {
+      next = {k + after->kv0 * p.k_head, v + after->kv0 * p.v_head, koff, voff,
+              (int)std::min<int64_t>(p.block_n, end - lo), bytes};
+      key_offsets(p, after->seq, lo, next.n, n_pad, koff, voff);
+    }
+  }
+  return next;
+}
+
+// Split groups merged by this process (split_merges(): what the tests read).
+std::atomic<int64_t> merged_groups{0};
+
+// The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
+// and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
+template <typename T, int (*Pos)(int)>
+void merge_chunks(const Problem& p, const SplitGroup& g, Scratch& w) {
+  const int G = p.heads / p.kv_heads, D = p.dim, H = p.kv_per_item;
+  const int q_start = p.cu_q[g.seq], len_q = p.cu_q[g.seq + 1] - q_start;
+  const int t0 = g.tile * p.block_m, rows = (std::min(len_q, t0 + p.block_m) - t0) * G;
+  const int64_t n = (int64_t)H * rows;
+  w.o.assign(n * D, 0.0f);
+  w.m.assign(n, kNegInf);
+  w.l.assign(n, 0.0f);
+  for (int c = 0; c < g.chunks; ++c) {
+    const float* m = p.partials + (g.first + c) * p.part_floats + n * D;
+    for (int64_t i = 0; i < n; ++i) w.m[i] = std::max(w.m[i], m[i]);
+  }
+  for (int c = 0; c < g.chunks; ++c) {
+    const float* o = p.partials + (g.first + c) * p.part_floats;
+    const float *m = o + n * D, *l = m + n;
+    for (int64_t i = 0; i < n; ++i) {
+      if (m[i] == kNegInf) continue;
+      const float weight = std::exp(m[i] - w.m[i]);
+      w.l[i] += weight * l[i];
+      float* dst = w.o.data() + i * D;
+      for (int d = 0; d < D; ++d) dst[d] += weight * o[i * D + d];
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t off = (int64_t)h * rows;
+    store_rows<T, Pos>(p, q_start, t0, rows, g.kv0 + h, w.o.data() + off * D, w.m.data() + off,
+                       w.l.data() + off);
+  }
+  merged_groups.fetch_add(1, std::memory_order_relaxed);
+}
+
+// An item's result: its rows normalized into out (and lse); for one chunk of a split group,
+// its o, m and l kept for the merge, which the group's last chunk to finish does.
+template <typename T, int (*Pos)(int)>
+void finish(const Problem& p, const Item& item, int q_start, int t0, int rows, Scratch& w) {
+  const int D = p.dim, H = p.kv_per_item;
+  if (item.group < 0) {
+    for (int h = 0; h < H; ++h) {
+      const int64_t off = (int64_t)h * rows;
+      store_rows<T, Pos>(p, q_start, t0, rows, item.kv0 + h, w.o.data() + off * D,
+                         w.m.data() + off, w.l.data() + off);
+    }
+    return;
+  }
+  const SplitGroup& g = p.groups[item.group];
+  const int64_t n = (int64_t)H * rows;
+  float* part = p.partials + (g.first + item.chunk) * p.part_floats;
+  std::memcpy(part, w.o.data(), n * D * sizeof(float));
+  std::memcpy(part + n * D, w.m.data(), n * sizeof(float));
+  std::memcpy(part + n * D + n, w.l.data(), n * sizeof(float));
+  if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge_chunks<T, Pos>(p, g, w);
 }
 
 // ---- bf16 K/V with AVX512-BF16: both products on vdpbf16ps ----------------------------------
@@ -486,39 +633,12 @@ BF16_DOT void dot_pv_rows(const uint32_t* pairs, int pair_stride, const c10::BFl
   if (d < dim) dot_pv<R, 1>(pairs, pair_stride, vrow, j0, j1, alpha, o, dim, d);
 }
 
-// The next tile's slots (the item's heads of each: `bytes` from `k` / `v` plus the offsets;
-// on the last tile, the first tile of the item this thread takes next), requested a few slots
-// per score call while this tile computes, into L2 (prefetcht1). A whole tile at once (tens of
-// KB) is more than the core keeps in flight, and into L1 it evicts what is being read: both
-// measured no faster than no prefetch, this a third faster (30 layers of a 48-sequence decode,
-// docs/architecture/attention.md).
-struct NextSlots {
-  const c10::BFloat16* k = nullptr;
-  const c10::BFloat16* v = nullptr;
-  const int64_t* koff = nullptr;
-  const int64_t* voff = nullptr;
-  int n = 0;  // slots of the next tile (0: none)
-  int64_t bytes = 0;
-
-  void prefetch(int c0, int c1) const {
-    for (int c = c0; c < std::min(n, c1); ++c) {
-      const char* kr = reinterpret_cast<const char*>(k + koff[c]);
-      const char* vr = reinterpret_cast<const char*>(v + voff[c]);
-      for (int64_t i = 0; i < bytes; i += 64) to_l2(kr + i), to_l2(vr + i);
-    }
-  }
-
-  // prefetcht1 as an asm statement: GCC 12's dead-code elimination drops __builtin_prefetch
-  // in this loop (it has no result), and the tile then waits on memory (measured 1.5x slower).
-  static void to_l2(const char* line) { asm volatile("prefetcht1 %0" : : "m"(*line)); }
-};
-
 // One key tile (n valid keys of n_pad, a multiple of 16) for the item's H kv heads. Memory is
 // walked in slot order: each group of 16 keys is scored for every head before the next group
 // (a slot's heads are adjacent), and P @ V goes over groups of 32 keys the same way, so the
 // lines of a block are read together rather than once per head pass.
 BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0, int n,
-                       int n_pad, const NextSlots& next) {
+                       int n_pad, const NextSlots<c10::BFloat16>& next) {
   const int D = p.dim, pair_stride = n_pad / 2;
   const auto* krow = reinterpret_cast<const c10::BFloat16* const*>(w.krow.data());
   const auto* vrow = reinterpret_cast<const c10::BFloat16* const*>(w.vrow.data());
@@ -598,21 +718,8 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   w.first = false;
   for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
-    NextSlots next;
-    if (j0 + n < hi) {
-      next = {kbase, vbase, koff_next, voff_next, (int)std::min<int64_t>(p.block_n, hi - j0 - n),
-              slot_bytes};
-      key_offsets(p, b, j0 + n, next.n, n_pad, koff_next, voff_next);
-    } else if (after != nullptr) {
-      int64_t lo2, hi2;
-      key_range(p, *after, &lo2, &hi2);
-      if (lo2 < hi2) {
-        next = {static_cast<const T*>(p.k) + after->kv0 * p.k_head,
-                static_cast<const T*>(p.v) + after->kv0 * p.v_head, koff_next, voff_next,
-                (int)std::min<int64_t>(p.block_n, hi2 - lo2), slot_bytes};
-        key_offsets(p, after->seq, lo2, next.n, n_pad, koff_next, voff_next);
-      }
-    }
+    const NextSlots<T> next =
+        next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, slot_bytes);
     for (int h = 0; h < H; ++h)
       for (int c = 0; c < n_pad; ++c) {
         w.krow[(size_t)h * n_pad + c] = kbase + koff[c] + h * p.k_head;
@@ -622,11 +729,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
   }
-  for (int h = 0; h < H; ++h) {
-    const int64_t off = (int64_t)h * rows;
-    store_rows<T, dot_pos>(p, q_start, t0, rows, item.kv0 + h, w.o.data() + off * D,
-                           w.m.data() + off, w.l.data() + off);
-  }
+  finish<T, dot_pos>(p, item, q_start, t0, rows, w);
 }
 #else
 bool cpu_has_bf16_dot() { return false; }
@@ -665,15 +768,19 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   int64_t *koff = w.koff.data(), *voff = w.voff.data();
   int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
   const int64_t row_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
-  if (lo < hi) key_offsets(p, b, lo, (int)std::min<int64_t>(p.block_n, hi - lo), n_pad, koff, voff);
+  if (lo < hi) {  // the previous item prefetched this tile (the first item: nothing did)
+    const int n = (int)std::min<int64_t>(p.block_n, hi - lo);
+    key_offsets(p, b, lo, n, n_pad, koff, voff);
+    if (w.first) {
+      prefetch_rows(kbase + item.kv0 * p.k_head, koff, n, row_bytes);
+      prefetch_rows(vbase + item.kv0 * p.v_head, voff, n, row_bytes);
+    }
+  }
+  w.first = false;
   for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
-    if (j0 + n < hi) {
-      const int n_next = (int)std::min<int64_t>(p.block_n, hi - j0 - n);
-      key_offsets(p, b, j0 + n, n_next, n_pad, koff_next, voff_next);
-      prefetch_rows(kbase + item.kv0 * p.k_head, koff_next, n_next, row_bytes);
-      prefetch_rows(vbase + item.kv0 * p.v_head, voff_next, n_next, row_bytes);
-    }
+    const NextSlots<T> next =
+        next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, row_bytes);
     for (int h = 0; h < H; ++h) {
       const int kv = item.kv0 + h;
       for (int c = 0; c < n_pad; ++c) {
@@ -692,19 +799,16 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
       const int64_t off = (int64_t)h * rows;
       float* q = w.q.data() + off * D;
       float* o = w.o.data() + off * D;
+      float *m = w.m.data() + off, *l = w.l.data() + off;
       if (convert)
-        tile_step<T, float>(p, w, rows, j0, n, n_pad, q, o, w.m.data() + off, w.l.data() + off);
+        tile_step<T, float>(p, w, rows, j0, n, n_pad, q, o, m, l, next, h, H);
       else
-        tile_step<T, T>(p, w, rows, j0, n, n_pad, q, o, w.m.data() + off, w.l.data() + off);
+        tile_step<T, T>(p, w, rows, j0, n, n_pad, q, o, m, l, next, h, H);
     }
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
   }
-  for (int h = 0; h < H; ++h) {
-    const int64_t off = (int64_t)h * rows;
-    store_rows<T>(p, q_start, t0, rows, item.kv0 + h, w.o.data() + off * D, w.m.data() + off,
-                  w.l.data() + off);
-  }
+  finish<T, lane_pos<T>>(p, item, q_start, t0, rows, w);
 }
 
 // Items sorted by cost, heaviest first, handed out through an atomic counter: causal tiles and
@@ -714,10 +818,10 @@ void run(const Problem& p, const std::vector<Item>& items) {
   const int64_t total = (int64_t)items.size();
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
-  // On the dot path with many items, each thread claims its next item before it starts one,
-  // so that the current item can prefetch the next one's first keys (with few items, holding
-  // one back could idle a thread at the end).
-  const bool ahead = p.bf16_dot && total >= 4 * threads;
+  // With many items, each thread claims its next item before it starts one, so that the
+  // current item can prefetch the next one's first keys (with few items, holding one back
+  // could idle a thread at the end).
+  const bool ahead = total >= 4 * threads;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w;
     for (int64_t i = next++; i < total;) {
@@ -728,21 +832,65 @@ void run(const Problem& p, const std::vector<Item>& items) {
   });
 }
 
+// Split items keep chunks of at least this many keys (an item's set-up costs about a tile).
+constexpr int64_t kMinChunkKeys = 64;
+
+struct Splits {
+  std::vector<SplitGroup> groups;
+  std::unique_ptr<std::atomic<int>[]> pending;
+  std::vector<float> partials;
+};
+
 // Work items: (sequence, query tile, group of kv heads). Whole-head groups read each cached
 // slot's K/V (all heads adjacent) in one pass; one head per item when items would be too few
-// to keep every thread busy.
-std::vector<Item> make_items(Problem& p, int64_t batch) {
+// to keep every thread busy. Fewer than 4 items a thread even so (decode of a few sequences:
+// one sequence of 3 kv heads gave one of 2 threads twice the other's work) and each item's
+// keys are split into chunks, flash-decoding's way, merged by the chunk that finishes last.
+std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
+  const int64_t threads = at::get_num_threads(), G = p.heads / p.kv_heads;
   int64_t tiles = 0;
   for (int b = 0; b < batch; ++b) tiles += (p.cu_q[b + 1] - p.cu_q[b] + p.block_m - 1) / p.block_m;
-  p.kv_per_item = tiles >= 4 * at::get_num_threads() ? p.kv_heads : 1;
+  p.kv_per_item = tiles >= 4 * threads ? p.kv_heads : 1;
+  const int64_t base = tiles * (p.kv_heads / p.kv_per_item);
+  const int64_t want = base > 0 && base < 4 * threads ? (4 * threads + base - 1) / base : 1;
   std::vector<Item> items;
+  int64_t parts = 0, max_rows = 0;
   for (int b = 0; b < batch; ++b) {
     const int len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t len_k = p.seq_lens_k[b];
+    int64_t chunk = len_k, chunks = std::min<int64_t>(want, len_k / kMinChunkKeys);
+    if (chunks > 1) {
+      chunk = ((len_k + chunks - 1) / chunks + 15) / 16 * 16;
+      chunks = (len_k + chunk - 1) / chunk;
+    }
     for (int t = 0; t * p.block_m < len_q; ++t) {
       const int64_t rows = std::min(p.block_m, len_q - t * p.block_m);
-      for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item)
-        items.push_back({b, t, kv, rows * p.seq_lens_k[b]});
+      for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item) {
+        if (chunks <= 1) {
+          items.push_back({b, t, kv, rows * len_k});
+          continue;
+        }
+        const int group = (int)splits.groups.size();
+        splits.groups.push_back({b, t, kv, (int)chunks, parts, nullptr});
+        for (int c = 0; c < chunks; ++c) {
+          const int64_t lo = c * chunk, hi = std::min(len_k, lo + chunk);
+          items.push_back({b, t, kv, rows * (hi - lo), lo, hi, group, c});
+        }
+        parts += chunks;
+        max_rows = std::max(max_rows, rows * G);
+      }
     }
+  }
+  if (!splits.groups.empty()) {
+    splits.pending = std::make_unique<std::atomic<int>[]>(splits.groups.size());
+    for (size_t g = 0; g < splits.groups.size(); ++g) {
+      splits.pending[g].store(splits.groups[g].chunks, std::memory_order_relaxed);
+      splits.groups[g].pending = &splits.pending[g];
+    }
+    p.part_floats = p.kv_per_item * max_rows * (p.dim + 2);
+    splits.partials.resize(parts * p.part_floats);
+    p.groups = splits.groups.data();
+    p.partials = splits.partials.data();
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -761,6 +909,8 @@ bool bf16_dot(int64_t enable) {
   if (enable >= 0) bf16_dot_flag() = enable > 0 && cpu_has_bf16_dot();
   return bf16_dot_enabled();
 }
+
+int64_t split_merges() { return merged_groups.load(); }
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& cu_seqlens_q,
@@ -825,7 +975,8 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.block_n = (int)std::max<int64_t>(2, block_n);
   p.block_m = (int)std::max<int64_t>(1, block_m);
   p.bf16_dot = q.scalar_type() == at::kBFloat16 && p.dim % 32 == 0 && bf16_dot_enabled();
-  const std::vector<Item> items = make_items(p, seq_lens_k.size(0));
+  Splits splits;
+  const std::vector<Item> items = make_items(p, seq_lens_k.size(0), splits);
   switch (q.scalar_type()) {
     case at::kFloat: return run<float>(p, items);
     case at::kBFloat16: return run<c10::BFloat16>(p, items);
@@ -843,4 +994,5 @@ TORCH_LIBRARY(pagedllm_attention, m) {
       "float scale, int window_left, int window_right, int block_m, int block_n) -> ()",
       &varlen_attention);
   m.def("bf16_dot(int enable) -> bool", &bf16_dot);
+  m.def("split_merges() -> int", &split_merges);
 }
