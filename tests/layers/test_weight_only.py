@@ -134,11 +134,17 @@ def test_gguf_blocks_repack_exactly(name):
     packed = gguf_repack.repack(data, int(qtype))
     assert packed.bits == (8 if name == "Q8_0" else 4) and packed.group == 32
     assert packed.shape == (48, 160)
+    assert packed.scale.dtype == torch.float16  # the file's constants, as they are
     want = torch.from_numpy(np.array(dequantize(data, qtype)))
     assert torch.equal(packed.dequantize(), want.float())
     x = torch.randn(2, 160)
-    got = weight_only.kernel_linear(x, packed)
+    got = weight_only.kernel_linear(x, weight_only.fp32_constants(packed))
     assert torch.allclose(got, x @ want.float().t(), rtol=1e-4, atol=1e-4)
+    if weight_only.panels_run(packed):  # the panel kernel on the fp16 constants themselves
+        panels = weight_only.in_panels(packed)
+        assert panels.scale.dtype == torch.float16
+        got = weight_only.panel_linear(x, panels, None)
+        assert torch.allclose(got, x @ want.float().t(), rtol=1e-4, atol=1e-4)
     assert packed.qweight.numel() == 48 * 160 // (2 if packed.bits == 4 else 1)  # no fp copy
 
 

@@ -11,11 +11,13 @@ features (``GGUFReader``'s ``tensor.data``: uint8 [rows, bytes per row]):
   first in the low halves, the second in the high ones); w = d * sc * q - dmin * mn
 
 with nibble j of a Q4 block in the low half of byte j and nibble j + 16 in the high half,
-the order layers/weight_only.py keeps. So the codes are copied byte for byte and only the
-per-block fp16 constants are widened to fp32 (exactly): group 32, scale = d, and for int4
-offset = m (Q4_1) or -8 d (Q4_0, q - 8 written as q plus an offset). Q4_K's sub-blocks are
-32 features too: their codes are regrouped into that nibble order and its two-level constants
-multiplied out (d * sc and -dmin * mn are exact in fp32: an fp16 times a 6-bit integer).
+the order layers/weight_only.py keeps. So the codes are copied byte for byte and the
+per-block fp16 constants kept in fp16: group 32, scale = d, and for int4 offset = m (Q4_1) or
+-8 d (Q4_0, q - 8 written as q plus an offset; exact in fp16, a power of two). The panel
+kernel streams them as they are (weight_only.fp32_constants widens them, exactly, for the
+row layout's kernel). Q4_K's sub-blocks are 32 features too: their codes are regrouped into that
+nibble order and its two-level constants multiplied out, in fp32 (d * sc and -dmin * mn are
+exact there, an fp16 times a 6-bit integer, not in fp16).
 """
 
 from __future__ import annotations
@@ -49,12 +51,12 @@ def repack(data: np.ndarray, tensor_type: int) -> PackedWeight:
     if kind == Q4_K:
         return _repack_q4_k(raw.reshape(rows * blocks, size), rows)
     b = torch.from_numpy(raw).view(rows, blocks, size)
-    d = b[..., 0:2].contiguous().view(torch.float16).view(rows, blocks).float()
+    d = b[..., 0:2].contiguous().view(torch.float16).view(rows, blocks)
     if kind == Q8_0:
         q = b[..., 2:].contiguous().view(torch.int8).view(rows, blocks * BLOCK)
         return PackedWeight(8, q, d.contiguous(), None)
     if kind == Q4_1:
-        m = b[..., 2:4].contiguous().view(torch.float16).view(rows, blocks).float()
+        m = b[..., 2:4].contiguous().view(torch.float16).view(rows, blocks)
         codes = b[..., 4:]
     else:
         m = -8.0 * d

@@ -471,6 +471,8 @@ def install_packed(
     module.dequant_dtype = module.weight.dtype
     if weight_only.panels_run(packed):
         packed = weight_only.in_panels(packed)  # (a no-op on panels already)
+    else:
+        packed = weight_only.fp32_constants(packed)
     module.register_buffer("weight_packed", packed.qweight, persistent=False)
     module.register_buffer("weight_group_scale", packed.scale, persistent=False)
     if packed.offset is not None:

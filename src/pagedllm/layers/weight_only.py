@@ -92,7 +92,7 @@ class PackedWeight:
 
     bits: int  # 8 or 4
     qweight: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2]; panels: [N / 16, K (/ 2), 16]
-    scale: torch.Tensor  # fp32 [N, K / group]; panels: [N / 16, K / group, 16]
+    scale: torch.Tensor  # fp32 [N, K / group]; panels: [N / 16, K / group, 16], fp32 or fp16
     offset: torch.Tensor | None  # like scale for int4, else None
     panels: bool = False  # the panel layout of :func:`in_panels`
 
@@ -195,6 +195,15 @@ def panels_run(weight: PackedWeight) -> bool:
     """Whether this CPU runs ``weight`` in panels: AVX-512, whole panels of 16 outputs."""
     n, _ = weight.shape
     return weight.qweight.device.type == "cpu" and n % PANEL == 0 and panel_gemm.available()
+
+
+def fp32_constants(weight: PackedWeight) -> PackedWeight:
+    """The weight with fp32 scales and offsets (a GGUF file's are fp16, which the panel kernel
+    streams as they are; the row layout's kernel takes fp32 only). The same weight if they are."""
+    if weight.scale.dtype == torch.float32:
+        return weight
+    offset = None if weight.offset is None else weight.offset.float()
+    return PackedWeight(weight.bits, weight.qweight, weight.scale.float(), offset, weight.panels)
 
 
 def quantize(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
