@@ -411,25 +411,26 @@ std::atomic<bool>& vnni_flag() {
 
 // Row x [k] -> words [k / 4], scales [k / 32] and the rounded x's block sums [k / 32] (the
 // int4 offsets meet the same x as the codes: their errors then cancel as in x w, q8_1's way).
-void quantize_row(const float* x, int64_t k, bool int4, int32_t* words, float* sx, float* qsum) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_row(
+    const float* x, int64_t k, bool int4, int32_t* words, float* sx, float* qsum) {
+  // The int4 word order as a byte permute: out byte 4 w + t takes q[8 (w / 2) + 2 t + w % 2].
+  alignas(32) int8_t order[32];
+  for (int w = 0; w < 8; ++w)
+    for (int t = 0; t < 4; ++t) order[4 * w + t] = (int8_t)(8 * (w / 2) + 2 * t + (w % 2));
+  const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(order));
   for (int64_t b = 0; b < k / 32; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     sx[b] = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t qb[32];
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) qb[i] = (int8_t)std::nearbyint(xb[i] * inv), sum += qb[i];
-    qsum[b] = sx[b] * (float)sum;
-    uint8_t* out = reinterpret_cast<uint8_t*>(words + b * 8);
-    for (int w = 0; w < 8; ++w)
-      for (int t = 0; t < 4; ++t) {
-        if (int4)  // words 2v, 2v + 1: window v of 8 features, even then odd ones
-          out[4 * w + t] = (uint8_t)qb[8 * (w / 2) + 2 * t + (w % 2)];
-        else
-          out[4 * w + t] = (uint8_t)(qb[4 * w + t] + 128);
-      }
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // x * inv rounded to nearest even (nearbyint under the default rounding mode), |q| <= 127
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    qsum[b] = sx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(qlo)),
+                                        _mm512_cvtepi32_epi8(qhi), 1);
+    q = int4 ? _mm256_permutexvar_epi8(idx, q) : _mm256_xor_si256(q, _mm256_set1_epi8(-128));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + b * 8), q);  // int8: q + 128
   }
 }
 
