@@ -262,10 +262,10 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
 // codes int8 [N/16][K][16] (int8) or uint8 [N/16][K/2][16] (int4: byte j of step s holds
 // q[16p + j, 2s] in its low nibble and q[16p + j, 2s + 1] in its high one); scale and, for
 // int4, offset [N/16][K/G][16], fp32, or fp16 as a GGUF file stores them (fewer bytes to
-// stream: 0.625 against 0.75 per int4 weight): w = scale * q (+ offset). A slice of K of one panel group
-// at a time is dequantized into a per-thread scratch in the float panel layout (bf16 pairs for
-// a bf16 x, fp32 otherwise) and run by the float micro-kernel over every row of x: the codes
-// stream from memory once per call, the scratch stays in L1 / L2.
+// stream: 0.625 against 0.75 per int4 weight): w = scale * q (+ offset). A slice of K of one
+// panel group at a time is dequantized into a per-thread scratch in the float panel layout
+// (bf16 pairs for a bf16 x, fp32 otherwise) and run by the float micro-kernel over every row of
+// x: the codes stream from memory once per call, the scratch stays in L1 / L2.
 constexpr int64_t kQuantSliceK = 256;  // input features per dequantized slice (a multiple of 32)
 
 struct Quant {
@@ -278,9 +278,10 @@ struct Quant {
 
   // The 16 outputs' constants of one group at element c of scale / offset, as fp32.
   __attribute__((target("avx512f"))) __m512 at(const void* base, int64_t c) const {
-    if (half)
-      return _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + c)));
+    if (half) {
+      const uint16_t* h = static_cast<const uint16_t*>(base) + c;
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    }
     return _mm512_loadu_ps(static_cast<const float*>(base) + c);
   }
 };
@@ -443,7 +444,8 @@ constexpr int64_t kVnniAhead = 8;
 inline void prefetch_block(const Quant& q, int64_t p, int nr, int64_t b) {
   const int64_t code_bytes = (q.int4 ? 16 : 32) * kPanel, elem = q.half ? 2 : 4;
   for (int j = 0; j < nr; ++j) {
-    const char* codes = reinterpret_cast<const char*>(q.codes) + ((p + j) * (q.k / 32) + b) * code_bytes;
+    const char* codes =
+        reinterpret_cast<const char*>(q.codes) + ((p + j) * (q.k / 32) + b) * code_bytes;
     for (int64_t line = 0; line < code_bytes; line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
     const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel * elem;
     _mm_prefetch(static_cast<const char*>(q.scale) + c, _MM_HINT_T1);
