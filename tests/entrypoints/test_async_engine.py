@@ -209,6 +209,10 @@ def test_a_reader_behind_the_engine_loses_no_text(engine) -> None:
         while engine.submit(lambda e: e.has_unfinished_requests()).result(timeout=30):
             assert time.monotonic() < deadline, "the request never finished"
             await asyncio.sleep(0.01)
+        # The engine thread handed the last outputs to this loop before it answered; one pass
+        # of the loop delivers them (without it, an earlier output already delivered during the
+        # sleep above could be read first: the blocking poll holds the loop).
+        await asyncio.sleep(0)
         return [out async for out in stream.outputs()]
 
     outs = asyncio.run(main())
