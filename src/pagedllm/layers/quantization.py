@@ -469,10 +469,7 @@ def install_packed(
     if tuple(module.weight.shape) != (rows, cols):
         raise ValueError(f"packed weight {rows}x{cols} != layer {tuple(module.weight.shape)}")
     module.dequant_dtype = module.weight.dtype
-    if weight_only.panels_run(packed):
-        packed = weight_only.in_panels(packed)  # (a no-op on panels already)
-    else:
-        packed = weight_only.fp32_constants(packed)
+    packed = weight_only.cpu_layout(packed)  # (a no-op on a weight laid out already)
     module.register_buffer("weight_packed", packed.qweight, persistent=False)
     module.register_buffer("weight_group_scale", packed.scale, persistent=False)
     if packed.offset is not None:

@@ -206,6 +206,12 @@ def fp32_constants(weight: PackedWeight) -> PackedWeight:
     return PackedWeight(weight.bits, weight.qweight, weight.scale.float(), offset, weight.panels)
 
 
+def cpu_layout(weight: PackedWeight) -> PackedWeight:
+    """The weight as this CPU runs it: in panels where panels_run (constants as they are),
+    else by rows with fp32 constants."""
+    return in_panels(weight) if panels_run(weight) else fp32_constants(weight)
+
+
 def quantize(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
     """Round-to-nearest with one scale per group: int8 symmetric (|q| <= 127), int4 over each
     group's [min, max] (16 levels, the offset is the minimum)."""

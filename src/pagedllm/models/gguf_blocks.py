@@ -68,10 +68,7 @@ def install_gguf_blocks(
                 continue
             packed = gguf_repack.concat_rows([group[i] for i in sorted(group)])
             del parts[module_name]
-        if weight_only.panels_run(packed):  # once, so that a tied head shares the panels
-            packed = weight_only.in_panels(packed)  # fp16 constants, as the file has them
-        else:
-            packed = weight_only.fp32_constants(packed)
+        packed = weight_only.cpu_layout(packed)  # once, so that a tied head shares it
         install_packed(module, packed, int8_x=True)  # llama.cpp's numerics (an LM head: none)
         installed.add(name)
         if name == _EMBEDDING and getattr(model, "tie_word_embeddings", False):

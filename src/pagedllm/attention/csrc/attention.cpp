@@ -477,6 +477,34 @@ NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, i
   return next;
 }
 
+// The rows of kv heads [kv0, kv0 + kv_per_item) from the scratch's o, m and l, normalized into
+// out (and lse).
+template <typename T, int (*Pos)(int)>
+void store_heads(const Problem& p, int q_start, int t0, int rows, int kv0, const Scratch& w) {
+  for (int h = 0; h < p.kv_per_item; ++h) {
+    const int64_t off = (int64_t)h * rows;
+    store_rows<T, Pos>(p, q_start, t0, rows, kv0 + h, w.o.data() + off * p.dim, w.m.data() + off,
+                       w.l.data() + off);
+  }
+}
+
+// The offsets of the first tile of an item's keys [lo, hi) into koff / voff; a thread's first
+// item also requests its slots (`bytes` each: the item's heads), later items had them
+// prefetched while the one before computed.
+template <typename T>
+void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int n_pad,
+                int64_t* koff, int64_t* voff, int64_t bytes, Scratch& w) {
+  if (lo < hi) {
+    const int n = (int)std::min<int64_t>(p.block_n, hi - lo);
+    key_offsets(p, item.seq, lo, n, n_pad, koff, voff);
+    if (w.first) {
+      prefetch_rows(static_cast<const T*>(p.k) + item.kv0 * p.k_head, koff, n, bytes);
+      prefetch_rows(static_cast<const T*>(p.v) + item.kv0 * p.v_head, voff, n, bytes);
+    }
+  }
+  w.first = false;
+}
+
 // Split groups merged by this process (split_merges(): what the tests read).
 std::atomic<int64_t> merged_groups{0};
 
@@ -506,11 +534,7 @@ void merge_chunks(const Problem& p, const SplitGroup& g, Scratch& w) {
       for (int d = 0; d < D; ++d) dst[d] += weight * o[i * D + d];
     }
   }
-  for (int h = 0; h < H; ++h) {
-    const int64_t off = (int64_t)h * rows;
-    store_rows<T, Pos>(p, q_start, t0, rows, g.kv0 + h, w.o.data() + off * D, w.m.data() + off,
-                       w.l.data() + off);
-  }
+  store_heads<T, Pos>(p, q_start, t0, rows, g.kv0, w);
   merged_groups.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -519,14 +543,7 @@ void merge_chunks(const Problem& p, const SplitGroup& g, Scratch& w) {
 template <typename T, int (*Pos)(int)>
 void finish(const Problem& p, const Item& item, int q_start, int t0, int rows, Scratch& w) {
   const int D = p.dim, H = p.kv_per_item;
-  if (item.group < 0) {
-    for (int h = 0; h < H; ++h) {
-      const int64_t off = (int64_t)h * rows;
-      store_rows<T, Pos>(p, q_start, t0, rows, item.kv0 + h, w.o.data() + off * D,
-                         w.m.data() + off, w.l.data() + off);
-    }
-    return;
-  }
+  if (item.group < 0) return store_heads<T, Pos>(p, q_start, t0, rows, item.kv0, w);
   const SplitGroup& g = p.groups[item.group];
   const int64_t n = (int64_t)H * rows;
   float* part = p.partials + (g.first + item.chunk) * p.part_floats;
@@ -707,15 +724,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   int64_t *koff = w.koff.data(), *voff = w.voff.data();
   int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
   const int64_t slot_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
-  if (lo < hi) {  // the previous item prefetched this tile (the first item: nothing did)
-    const int n = (int)std::min<int64_t>(p.block_n, hi - lo);
-    key_offsets(p, b, lo, n, n_pad, koff, voff);
-    if (w.first) {
-      prefetch_rows(kbase, koff, n, slot_bytes);
-      prefetch_rows(vbase, voff, n, slot_bytes);
-    }
-  }
-  w.first = false;
+  first_tile<T>(p, item, lo, hi, n_pad, koff, voff, slot_bytes, w);
   for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
     const NextSlots<T> next =
@@ -768,15 +777,7 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   int64_t *koff = w.koff.data(), *voff = w.voff.data();
   int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
   const int64_t row_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
-  if (lo < hi) {  // the previous item prefetched this tile (the first item: nothing did)
-    const int n = (int)std::min<int64_t>(p.block_n, hi - lo);
-    key_offsets(p, b, lo, n, n_pad, koff, voff);
-    if (w.first) {
-      prefetch_rows(kbase + item.kv0 * p.k_head, koff, n, row_bytes);
-      prefetch_rows(vbase + item.kv0 * p.v_head, voff, n, row_bytes);
-    }
-  }
-  w.first = false;
+  first_tile<T>(p, item, lo, hi, n_pad, koff, voff, row_bytes, w);
   for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
     const NextSlots<T> next =
