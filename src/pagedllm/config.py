@@ -36,7 +36,9 @@ class QuantConfig:
     # Measured defaults (layers/quantization.py): None takes them.
     weight_only_layers: tuple[str, ...] | None = None  # int8 weights, full-precision inputs
     smoothquant_alpha: float | None = None  # activation-outlier migration; 0 disables it
-    quantize_embeddings: bool = False  # the LM head and token embedding too (vLLM keeps them)
+    # The LM head (weight-only: its inputs stay in full precision) and the token embedding;
+    # None: int8 quantizes them, int4 keeps them (False keeps them, as vLLM does).
+    quantize_embeddings: bool | None = None
     group_size: int = 32  # int4: input features per scale and offset (a multiple of 32)
 
     def __post_init__(self) -> None:
@@ -384,6 +386,12 @@ class EngineArgs:
         "int8: migrate activation outliers into the weights (SmoothQuant) from a calibration "
         "pass over pydoc text; --no-quant-smoothing: none (as saved checkpoints)",
     )
+    quant_embeddings: bool = _arg(
+        True,
+        "int8: the LM head too, with int8 weights and full-precision inputs (as a Q8_0 GGUF "
+        "file has it), and the token embedding; --no-quant-embeddings keeps both in --dtype, "
+        "as vLLM does (int4 always keeps them)",
+    )
     speculative_config: dict[str, Any] | str | None = _arg(
         None,
         "speculative decoding as JSON, e.g. "
@@ -567,6 +575,7 @@ class EngineArgs:
             enable_activation=self.quant_activation,
             exclude_layers=tuple(self.quant_exclude or ()),
             smoothquant_alpha=None if self.quant_smoothing else 0.0,
+            quantize_embeddings=None if self.quant_embeddings else False,
         )
 
     def _gguf_blocks(self, model: str, device: str) -> bool:

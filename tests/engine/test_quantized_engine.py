@@ -15,6 +15,7 @@ from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.quantize_cli import evaluate
+from pagedllm.layers.quantization import describe
 
 BASE = dict(dtype="float32", kv_cache_memory_bytes=1 << 24)
 
@@ -110,9 +111,10 @@ def test_saved_int8_checkpoint_loads_without_requantizing(trained_model, tmp_pat
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
         assert f.get_tensor("model.layers.0.self_attn.o_proj.weight").dtype == torch.float32
-        assert f.get_tensor("lm_head.weight").dtype == torch.float32  # kept, as vLLM does
-        assert "lm_head.weight_scale" not in f.keys()
-    assert config["quantize_embeddings"] is False
+        # The LM head and embedding too (int8 rows; the head's inputs stay in full precision)
+        assert f.get_tensor("lm_head.weight").dtype == torch.int8
+        assert f.get_tensor("model.embed_tokens.weight_scale").dtype == torch.float32
+    assert config["quantize_embeddings"] is True
 
     prompts = [_heldout_ids(trained_model, 30)]
     # A checkpoint is written tensor by tensor, without the calibration pass's smoothing.
@@ -123,6 +125,23 @@ def test_saved_int8_checkpoint_loads_without_requantizing(trained_model, tmp_pat
     loaded = LLM(str(out), **BASE)  # quantization comes from the checkpoint
     assert loaded.llm_engine.config.model.quant_config.prequantized
     assert greedy(loaded, prompts, 12) == greedy(on_the_fly, prompts, 12)
+
+
+def test_no_quant_embeddings_keeps_lm_head_and_embedding_in_full_precision(trained_model, tmp_path):
+    out = tmp_path / "int8"
+    assert main(["quantize", "--model", str(trained_model), str(out), "--no-quant-embeddings"]) == 0
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quantize_embeddings"] is False
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32  # as vLLM keeps it
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+        assert "lm_head.weight_scale" not in f.keys()
+    llm = LLM(str(trained_model), quantization="int8", quant_embeddings=False, **BASE)
+    model = llm.llm_engine.executor.runner.model
+    assert not hasattr(model.lm_head, "quant_kernel")
+    assert describe(model).endswith("full precision: model.embed_tokens, lm_head")
 
 
 def test_quantize_eval_command(trained_model, tmp_path, capsys):
@@ -178,17 +197,21 @@ def _capital_answer(llm: LLM) -> str:
 
 def test_default_int8_keeps_the_real_models_answer(smollm2):
     """SmolLM2-135M-Instruct: fp32 answers "The capital of France is Paris."; the default
-    int8 (SmoothQuant from the calibration pass, down_proj weight-only, LM head and embedding
-    in full precision) answers the same, where int8 everywhere did not."""
+    int8 (SmoothQuant from the calibration pass, down_proj and the tied LM head weight-only,
+    the embedding reading the head's int8 rows) answers the same, where int8 everywhere did
+    not."""
     kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 26)
     llm = LLM(str(smollm2), quantization="int8", **kw)
     model = llm.llm_engine.executor.local_runner.model
     kernels = {
-        n: m.quant_kernel.name for n, m in model.named_modules() if hasattr(m, "quant_kernel")
+        n: m.quant_kernel.name
+        for n, m in model.named_modules()
+        if getattr(m, "quant_kernel", None) is not None
     }
-    assert len(kernels) == 4 * 30 and "lm_head" not in kernels
+    assert len(kernels) == 4 * 30 + 1 and kernels.pop("lm_head") == "weight_only"
     assert {k for n, k in kernels.items() if n.endswith("down_proj")} == {"weight_only"}
     assert {k for n, k in kernels.items() if not n.endswith("down_proj")} == {"cpu_int8"}
+    assert model.model.embed_tokens.quant_method == "int8 embedding"
     assert _capital_answer(llm) == "The capital of France is Paris."
 
 

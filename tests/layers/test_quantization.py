@@ -109,22 +109,45 @@ def test_moving_average_observer_follows_the_batches():
     assert not torch.equal(layer(x), first)
 
 
-def test_lm_head_and_embedding_quantized():
+def test_int8_quantizes_lm_head_weight_only_and_embedding_by_default():
     torch.manual_seed(0)
-    head, emb = ParallelLMHead(50, 32, torch.float32), VocabParallelEmbedding(50, 32, torch.float32)
+    head, emb = ParallelLMHead(64, 32, torch.float32), VocabParallelEmbedding(64, 32, torch.float32)
     for m in (head, emb):
         m.weight.data.normal_()
-    ids, hidden = torch.tensor([0, 7, 49, 7]), torch.randn(4, 32)
+    ids, hidden = torch.tensor([0, 7, 63, 7]), torch.randn(4, 32)
     w, want_logits, want_rows = head.weight.clone(), head(hidden), emb(ids)
-    # Kept in full precision by default (as vLLM does); quantize_embeddings asks for int8.
-    assert DynamicQuantConfig().apply(head) == [] and DynamicQuantConfig().apply(emb) == []
-    DynamicQuantConfig(quantize_embeddings=True).apply(head)
-    DynamicQuantConfig(quantize_embeddings=True).apply(emb)
+    # quantize_embeddings=False keeps them in full precision (as vLLM does); int4 keeps them.
+    assert DynamicQuantConfig(quantize_embeddings=False).apply(head) == []
+    assert DynamicQuantConfig(quant_dtype="int4").apply(emb) == []
+    assert DynamicQuantConfig().apply(head) == [""] and DynamicQuantConfig().apply(emb) == [""]
     assert emb.weight.dtype == torch.int8
     rows_err = (emb(ids) - want_rows).abs()
     assert torch.all(rows_err <= emb.weight_scale[ids, None] / 2 * 1.0001)
-    bound = _bound(hidden, w, head.weight_scale, head.quant_kernel.levels)
+    # The head's inputs stay in fp32 (the logits pick the token): only the weight's rounding.
+    assert head.quant_method == "int8 weight-only" and head.quant_kernel.observer is None
+    bound = _bound(hidden, w, head.weight_scale, None)
     assert torch.all((head(hidden) - want_logits).abs() <= bound * 1.0001 + 1e-4)
+
+
+def test_tied_embedding_reads_the_int8_lm_heads_codes(model_factory):
+    from pagedllm.models.loader import load_model
+
+    config = EngineArgs(model=str(model_factory("qwen2")), dtype="float32").create_engine_config()
+    model = load_model(config.model, torch.device("cpu"))
+    head, emb = model.lm_head, model.model.embed_tokens
+    assert head.weight is emb.weight  # tied (in float panels: the rows come from a lookup)
+    ids = torch.tensor([0, 5, 17, 5])
+    want, full = emb(ids), weight_bytes(model)
+    DynamicQuantConfig().apply(model)
+    int8_rows = head.quant_kernel.weight_int8()
+    rows = int8_rows[ids].float() * head.weight_scale[ids, None]
+    assert torch.equal(emb(ids), rows)  # the rows of the head's int8 weight
+    assert torch.all((rows - want).abs() <= head.weight_scale[ids, None] / 2 * 1.0001)
+    packed = head.quant_kernel.packed
+    if packed is not None and packed.panels:  # one copy of the codes: the head's panels
+        assert emb.packed is packed and emb.weight.numel() == 0
+    vocab, hidden = int8_rows.shape
+    assert full - weight_bytes(model) >= vocab * hidden * 3  # fp32 -> int8, stored once
 
 
 def test_exclude_layers_leaves_modules_untouched(model_factory):
@@ -273,7 +296,7 @@ def test_smoothing_keeps_the_float_model_and_flattens_input_ranges(model_factory
     assert torch.allclose(torch.stack(after[name]), torch.stack(ranges[name]), rtol=1e-4)
 
 
-def test_default_int8_keeps_embeddings_and_down_proj_inputs_in_full_precision(model_factory):
+def test_default_int8_keeps_lm_head_and_down_proj_inputs_in_full_precision(model_factory):
     model = _llama(model_factory)
     torch.manual_seed(1)
     windows = [torch.randint(0, 320, (32,)).tolist() for _ in range(2)]
@@ -281,18 +304,17 @@ def test_default_int8_keeps_embeddings_and_down_proj_inputs_in_full_precision(mo
     before = _logits(model, ids)
     done = DynamicQuantConfig().apply(model, calibration=windows)
     modules = dict(model.named_modules())
-    assert "lm_head" not in done and "model.embed_tokens" not in done
-    assert modules["lm_head"].weight.dtype == torch.float32
+    assert "lm_head" in done and "model.embed_tokens" in done
     for name in done:
+        if name == "model.embed_tokens":
+            continue
         kernel = modules[name].quant_kernel
-        want = "weight_only" if name.endswith("down_proj") else "cpu_int8"
+        want = "weight_only" if name.endswith(("down_proj", "lm_head")) else "cpu_int8"
         assert kernel.name == want, name
-    assert len(done) == 8
+    assert len(done) == 10
     from pagedllm.layers.quantization import describe
 
-    assert describe(model) == (
-        "6 int8 W8A8 (cpu_int8), 2 int8 weight-only; full precision: model.embed_tokens, lm_head"
-    )
+    assert describe(model) == "6 int8 W8A8 (cpu_int8), 1 int8 embedding, 3 int8 weight-only"
     after = _logits(model, ids)
     assert (after.argmax(-1) == before.argmax(-1)).float().mean() > 0.9
 

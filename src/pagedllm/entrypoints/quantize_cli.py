@@ -12,6 +12,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from pagedllm.config import (
     load_hf_config,
 )
 from pagedllm.entrypoints.cli import SUBCOMMANDS, add_engine_args, engine_args_from
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization import DynamicQuantConfig
 
 
 # ---- quantize: a full-precision folder -> an int8 folder ------------------------------------
@@ -45,7 +49,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, config: QuantConfig) -
     hf_config = load_hf_config(str(src))
     with torch.device("meta"):  # the module structure only, to name and select the layers
         model = get_model_class(architecture_of(hf_config))(hf_config, torch.float32)
-    targets = DynamicQuantConfig.from_config(config).targets(model)
+    config = DynamicQuantConfig.from_config(config)  # its defaults resolved
+    targets = config.targets(model)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     quantized: list[str] = []
@@ -65,7 +70,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, config: QuantConfig) -
     return quantized
 
 
-def _copy_metadata(src: Path, dst: Path, config: QuantConfig, weight_map: dict[str, str]) -> None:
+def _copy_metadata(
+    src: Path, dst: Path, config: DynamicQuantConfig, weight_map: dict[str, str]
+) -> None:
     """Tokenizer and other files as they are; config.json and the index updated."""
     for item in src.iterdir():
         if item.is_file() and item.suffix != ".safetensors" and item.name != "config.json":
@@ -76,7 +83,7 @@ def _copy_metadata(src: Path, dst: Path, config: QuantConfig, weight_map: dict[s
         "quant_dtype": config.quant_dtype,
         "granularity": config.granularity,
         "exclude_layers": list(config.exclude_layers),
-        "quantize_embeddings": config.quantize_embeddings,
+        "quantize_embeddings": config.embeddings,
     }
     (dst / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     index = dst / "model.safetensors.index.json"

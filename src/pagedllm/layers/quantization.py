@@ -524,10 +524,10 @@ def _empty_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Defaults measured on SmolLM2-135M-Instruct (benchmarks/quant.py sensitivity: top-1
-# agreement with fp32 over pydoc text, fake-quantizing one kind of layer at a time): the LM
-# head and token embedding stay in full precision (as vLLM keeps them); per-token int8
-# inputs cost the most agreement at down_proj, whose inputs (silu(gate) * up) carry the
-# largest outliers, so it takes int8 weights with full-precision inputs.
+# agreement with fp32 over pydoc text, fake-quantizing one kind of layer at a time): per-token
+# int8 inputs cost the most agreement at down_proj, whose inputs (silu(gate) * up) carry the
+# largest outliers, so it takes int8 weights with full-precision inputs, as the LM head does
+# (docs/architecture/quantization.md: quantize-eval with and without the head in int8).
 DEFAULT_WEIGHT_ONLY_LAYERS: tuple[str, ...] = ("*.mlp.down_proj",)
 DEFAULT_SMOOTHQUANT_ALPHA = 0.5
 EMBEDDING_CLASSES = (ParallelLMHead, VocabParallelEmbedding)
@@ -562,9 +562,10 @@ def weights_changed(model: nn.Module) -> None:
 class DynamicQuantConfig(QuantConfig):
     """int8 / int4 quantization of a model's linear layers (module docstring).
 
-    With the defaults (quant_dtype int8) the LM head and embedding stay in full precision,
-    ``weight_only_layers`` (default DEFAULT_WEIGHT_ONLY_LAYERS) get int8 weights with
-    full-precision inputs, the rest int8 x int8 products; given calibration windows, the
+    With the defaults (quant_dtype int8) the LM head and ``weight_only_layers`` (default
+    DEFAULT_WEIGHT_ONLY_LAYERS) get int8 weights with full-precision inputs, the embedding int8
+    rows (quantize_embeddings=False keeps both in full precision), the rest int8 x int8
+    products; given calibration windows, the
     activation outliers of the int8 x int8 layers are first folded into their weights
     (SmoothQuant, smoothquant_alpha) and a moving_average observer is calibrated into a
     static scale. quant_dtype int4: every target layer weight-only int4 (round-to-nearest,
@@ -602,6 +603,13 @@ class DynamicQuantConfig(QuantConfig):
         return tuple(self.weight_only_layers)
 
     @property
+    def embeddings(self) -> bool:
+        """Whether the LM head and token embedding are quantized (int8 by default)."""
+        if self.quantize_embeddings is None:
+            return self.quant_dtype == "int8"
+        return self.quantize_embeddings
+
+    @property
     def alpha(self) -> float:
         return (
             DEFAULT_SMOOTHQUANT_ALPHA if self.smoothquant_alpha is None else self.smoothquant_alpha
@@ -627,7 +635,7 @@ class DynamicQuantConfig(QuantConfig):
                 return True
             if type(m) is VocabParallelEmbedding and self.quant_dtype == "int4":
                 return True
-            return isinstance(m, EMBEDDING_CLASSES) and not self.quantize_embeddings
+            return isinstance(m, EMBEDDING_CLASSES) and not self.embeddings
 
         # A weight shared with a module kept (tied embeddings) stays as it is too.
         kept_weights = {id(m.weight) for n, m in candidates.items() if kept(n, m)}
@@ -726,7 +734,8 @@ class DynamicQuantConfig(QuantConfig):
         for name, module in targets.items():
             kernel = None
             if isinstance(module, (LinearBase, ParallelLMHead)):
-                weight_only_layer = self.is_weight_only(name)
+                # The logits pick the token: int8 inputs there cost SmolLM2 its answers.
+                weight_only_layer = self.is_weight_only(name) or isinstance(module, ParallelLMHead)
                 kernel_name = _kernel_for(
                     module, None if weight_only_layer else self.kernel,
                     not weight_only_layer, self.observer_type,
@@ -743,6 +752,25 @@ class DynamicQuantConfig(QuantConfig):
             else:
                 module.quant_method = "int8 embedding"
             _to_int8_class(module, kernel)
+        _share_tied_panels(targets.values())
+
+
+def _share_tied_panels(modules: Iterable[nn.Module]) -> None:
+    """An embedding tied to an LM head whose codes moved into panels looks its rows up in
+    those panels (as a GGUF file's tied Q8_0 embedding does), so one copy of the codes stays."""
+    heads = {
+        id(m.weight_scale): m.quant_kernel.packed
+        for m in modules
+        if isinstance(m, Int8ParallelLMHead)
+        and isinstance(m.quant_kernel, WeightOnlyKernel)
+        and m.quant_kernel.packed is not None
+        and m.quant_kernel.packed.panels
+    }
+    for m in modules:
+        if type(m) is Int8VocabParallelEmbedding and id(m.weight_scale) in heads:
+            m.__class__ = PackedVocabParallelEmbedding
+            m.packed = heads[id(m.weight_scale)]
+            m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
 
 
 def describe(model: nn.Module) -> str:
