@@ -146,6 +146,37 @@ def cpu_has_bf16_dot() -> bool:
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_bf16_prefill_tiles_score_as_a_gemm_within_tolerance(head_dim):
+    """Many query rows a tile (prefill chunks, GQA groups): keys transposed once, scores and
+    P @ V as small GEMMs (6 rows x 32 keys, 6 rows x 64 features); against the reference and
+    the vector path over causal and windowed chunks, key counts that leave a half group of 16
+    and chunks that end short of their keys, paged and contiguous."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    if not cpu_has_bf16_dot():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path")
+    rng = random.Random(head_dim)
+    for seed, window in enumerate([(-1, -1), (-1, -1), (37, -1), (50, 5)]):
+        case = random_case(rng, (torch.bfloat16,), (head_dim,))
+        case.kv_heads = rng.choice([1, 2, 3])
+        case.heads = case.kv_heads * rng.choice([1, 3, 4])
+        case.k_lens = [rng.randint(40, 300) for _ in range(3)]
+        case.q_lens = [k if i == 0 else rng.randint(17, k) for i, k in enumerate(case.k_lens)]
+        case.causal, case.window = True, window
+        before = cpu_kernels.gemm_tiles()
+        out, lse, want, want_lse = run_case("cpu", case, seed, 16 if seed % 2 else None)
+        assert cpu_kernels.gemm_tiles() > before
+        try:
+            cpu_kernels.bf16_dot(False)
+            vector = run_case("cpu", case, seed, 16 if seed % 2 else None)[0]
+        finally:
+            cpu_kernels.bf16_dot(True)
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out.float(), vector.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("block_size", [None, 16])
 def test_bf16_dot_path_matches_reference_and_the_vector_path(head_dim, block_size):
     """bf16 on vdpbf16ps (P rounded to bf16 pairs of keys, V rows of two keys interleaved):

@@ -50,6 +50,13 @@ def split_merges() -> int:
     return int(torch.ops.pagedllm_attention.split_merges())
 
 
+def gemm_tiles() -> int:
+    """bf16 key tiles scored as a small GEMM so far in this process (the vdpbf16ps path with
+    many query rows a tile, prefill's: keys transposed once, V pairs interleaved once).
+    load() must be True."""
+    return int(torch.ops.pagedllm_attention.gemm_tiles())
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs (the C++ loops step 16 head dims at a time)."""
     return (

@@ -215,6 +215,7 @@ struct Scratch {
   std::vector<int64_t> pos;            // query position of each row
   std::vector<uint16_t> qb;            // bf16-dot path: the rows' queries as stored (bf16)
   std::vector<uint32_t> pb;            // bf16-dot path: probabilities, bf16 pairs of keys
+  std::vector<uint32_t> kt, vt;        // bf16-dot path, many rows: one head's K, V rearranged
   bool first = true;                   // no item done yet (none prefetched the next one)
 };
 
@@ -505,8 +506,9 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
   w.first = false;
 }
 
-// Split groups merged by this process (split_merges(): what the tests read).
-std::atomic<int64_t> merged_groups{0};
+// Split groups merged by this process (split_merges(): what the tests read), and bf16 key
+// tiles that took the many-rows products (gemm_tiles()).
+std::atomic<int64_t> merged_groups{0}, many_row_tiles{0};
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
 // and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
@@ -594,6 +596,109 @@ BF16_DOT inline void dot_scores16(const uint16_t* q, int dim, const c10::BFloat1
   _mm512_storeu_ps(s, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 
+// exp8 and softmax_update on 16 lanes (the same steps: clamp, n = round(x log2 e), r in two
+// parts, degree-6 Taylor, 2^n from the exponent bits, exactly 0 at x <= -88).
+BF16_DOT ALWAYS_INLINE __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), big), big);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  __m512i e = _mm512_slli_epi32(biased, 23);
+  e = _mm512_max_epi32(e, _mm512_setzero_si512());
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+BF16_DOT void softmax_update16(float* scores, int rows, int n, int n_pad, float* m, float* l,
+                               float* alpha) {
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + (int64_t)r * n_pad;
+    for (int c = n; c < n_pad; ++c) s[c] = kNegInf;
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int c = 0; c < n_pad; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + c));
+    const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+    if (m_new == kNegInf) {  // nothing visible yet in this row
+      std::fill(s, s + n_pad, 0.0f);
+      alpha[r] = 1.0f;
+      continue;
+    }
+    const __m512 shift = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < n_pad; c += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), shift));
+      _mm512_storeu_ps(s + c, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    alpha[r] = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    m[r] = m_new;
+  }
+}
+
+// Many rows (prefill): scores as a small GEMM. The tile's keys are transposed once into pairs
+// of features, kt[f][c] = features 2f, 2f + 1 of key c, so that one vdpbf16ps multiplies a
+// row's broadcast pair of query features with 16 keys and no reduction follows: R rows x NK
+// groups of 16 keys accumulate in R * NK registers. Worth it from kManyRows rows on, where
+// the transpose (one pass over the tile) serves enough rows; below, dot_scores16.
+constexpr int kManyRows = 16;
+
+BF16_DOT inline void transpose_keys(const c10::BFloat16* const* krow, int n_pad, int dim,
+                                    uint32_t* kt) {
+  for (int c = 0; c < n_pad; ++c) {
+    const auto* row = reinterpret_cast<const uint32_t*>(krow[c]);
+    for (int f = 0; f < dim / 2; ++f) kt[(int64_t)f * n_pad + c] = row[f];
+  }
+}
+
+template <int R, int NK>
+BF16_DOT inline void gemm_scores(const uint16_t* q, int dim, const uint32_t* kt, int n_pad,
+                                 int c, float scale, float* s, int s_stride) {
+  __m512 acc[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k) acc[r][k] = _mm512_setzero_ps();
+  for (int f = 0; f < dim / 2; ++f) {
+    __m512bh kv[NK];
+    for (int k = 0; k < NK; ++k)
+      kv[k] = (__m512bh)_mm512_loadu_si512(kt + (int64_t)f * n_pad + c + 16 * k);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, q + (int64_t)r * dim + 2 * f, sizeof(pair));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int k = 0; k < NK; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, kv[k]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k)
+      _mm512_storeu_ps(s + (int64_t)r * s_stride + c + 16 * k, _mm512_mul_ps(acc[r][k], sc));
+}
+
+// Scores of `rows` query rows (bf16, [rows][dim]) against the n_pad keys of kt.
+BF16_DOT void gemm_score_rows(const uint16_t* q, int rows, int dim, const uint32_t* kt,
+                              int n_pad, float scale, float* s) {
+  constexpr int R = 6;
+  for (int c = 0; c < n_pad; c += 32) {
+    const bool two = c + 32 <= n_pad;
+    int r = 0;
+    for (; r + R <= rows; r += R) {
+      const uint16_t* qr = q + (int64_t)r * dim;
+      float* sr = s + (int64_t)r * n_pad;
+      if (two) gemm_scores<R, 2>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
+      else gemm_scores<R, 1>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
+    }
+    for (; r < rows; ++r) {
+      const uint16_t* qr = q + (int64_t)r * dim;
+      float* sr = s + (int64_t)r * n_pad;
+      if (two) gemm_scores<1, 2>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
+      else gemm_scores<1, 1>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
+    }
+  }
+}
+
 // A row's probabilities as bf16 pairs of keys: pair j / 2 holds keys j (low half), j + 1.
 BF16_DOT inline void to_pairs(const float* s, int n_pad, uint32_t* pairs) {
   int c = 0;
@@ -650,6 +755,63 @@ BF16_DOT void dot_pv_rows(const uint32_t* pairs, int pair_stride, const c10::BFl
   if (d < dim) dot_pv<R, 1>(pairs, pair_stride, vrow, j0, j1, alpha, o, dim, d);
 }
 
+// Many rows: the V rows of each pair of keys interleaved once per tile, as dot_pv's unpack
+// makes them (vt holds dim dwords a pair), then R rows x NZ vectors of outputs per pass.
+BF16_DOT inline void interleave_values(const c10::BFloat16* const* vrow, int n_pad, int dim,
+                                       uint32_t* vt) {
+  for (int j = 0; j < n_pad; j += 2)
+    for (int c = 0; c < dim / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(vrow[j] + 32 * c);
+      const __m512i b = _mm512_loadu_si512(vrow[j + 1] + 32 * c);
+      uint32_t* out = vt + (int64_t)(j / 2) * dim + 32 * c;
+      _mm512_storeu_si512(out, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+template <int R, int NZ>
+BF16_DOT inline void gemm_pv(const uint32_t* pairs, int pair_stride, const uint32_t* vt,
+                             int n_pad, const float* alpha, float* o, int dim, int d) {
+  __m512 acc[R][NZ];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NZ; ++k)
+      acc[r][k] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)r * dim + d + 16 * k),
+                                _mm512_set1_ps(alpha[r]));
+  for (int j = 0; j < n_pad; j += 2) {
+    __m512bh v[NZ];
+    for (int k = 0; k < NZ; ++k)
+      v[k] = (__m512bh)_mm512_loadu_si512(vt + (int64_t)(j / 2) * dim + d + 16 * k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r * pair_stride + j / 2]);
+      for (int k = 0; k < NZ; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, v[k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NZ; ++k) _mm512_storeu_ps(o + (int64_t)r * dim + d + 16 * k, acc[r][k]);
+}
+
+// o[r] = o[r] * alpha[r] + P[r] V for `rows` rows over the n_pad keys of vt.
+BF16_DOT void gemm_pv_rows(const uint32_t* pairs, int pair_stride, int rows, const uint32_t* vt,
+                           int n_pad, const float* alpha, float* o, int dim) {
+  constexpr int R = 6;
+  for (int d = 0; d < dim; d += 64) {
+    const bool four = d + 64 <= dim;  // else 32 features left: two vectors
+    int r = 0;
+    for (; r + R <= rows; r += R) {
+      const uint32_t* pr = pairs + (int64_t)r * pair_stride;
+      float* orow = o + (int64_t)r * dim;
+      if (four) gemm_pv<R, 4>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+      else gemm_pv<R, 2>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+    }
+    for (; r < rows; ++r) {
+      const uint32_t* pr = pairs + (int64_t)r * pair_stride;
+      float* orow = o + (int64_t)r * dim;
+      if (four) gemm_pv<1, 4>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+      else gemm_pv<1, 2>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+    }
+  }
+}
+
 // One key tile (n valid keys of n_pad, a multiple of 16) for the item's H kv heads. Memory is
 // walked in slot order: each group of 16 keys is scored for every head before the next group
 // (a slot's heads are adjacent), and P @ V goes over groups of 32 keys the same way, so the
@@ -660,23 +822,44 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
   const auto* krow = reinterpret_cast<const c10::BFloat16* const*>(w.krow.data());
   const auto* vrow = reinterpret_cast<const c10::BFloat16* const*>(w.vrow.data());
   const int64_t head_s = (int64_t)rows * n_pad, head_q = (int64_t)rows * D;
-  for (int c = 0; c < n_pad; c += 16) {
-    for (int h = 0; h < H; ++h)
-      for (int r = 0; r < rows; ++r) {
-        const int part = h * rows + r, parts = H * rows;
-        next.prefetch(c + 16 * part / parts, c + 16 * (part + 1) / parts);
-        dot_scores16(w.qb.data() + h * head_q + (int64_t)r * D, D, krow + h * n_pad + c, p.scale,
-                     w.s.data() + h * head_s + (int64_t)r * n_pad + c);
-      }
+  if (rows >= kManyRows) {
+    many_row_tiles.fetch_add(1, std::memory_order_relaxed);
+    w.kt.resize((size_t)D / 2 * n_pad);
+    for (int h = 0; h < H; ++h) {
+      next.prefetch_share(h, 1, H);
+      transpose_keys(krow + h * n_pad, n_pad, D, w.kt.data());
+      gemm_score_rows(w.qb.data() + h * head_q, rows, D, w.kt.data(), n_pad, p.scale,
+                      w.s.data() + h * head_s);
+    }
+  } else {
+    for (int c = 0; c < n_pad; c += 16) {
+      for (int h = 0; h < H; ++h)
+        for (int r = 0; r < rows; ++r) {
+          const int part = h * rows + r, parts = H * rows;
+          next.prefetch(c + 16 * part / parts, c + 16 * (part + 1) / parts);
+          dot_scores16(w.qb.data() + h * head_q + (int64_t)r * D, D, krow + h * n_pad + c,
+                       p.scale, w.s.data() + h * head_s + (int64_t)r * n_pad + c);
+        }
+    }
   }
   for (int h = 0; h < H; ++h) {
     float* s = w.s.data() + h * head_s;
     float* alpha = w.alpha.data() + (int64_t)h * rows;
     mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
-    softmax_update(s, rows, n, n_pad, w.m.data() + (int64_t)h * rows,
+    softmax_update16(s, rows, n, n_pad, w.m.data() + (int64_t)h * rows,
                    w.l.data() + (int64_t)h * rows, alpha);
     for (int r = 0; r < rows; ++r)
       to_pairs(s + (int64_t)r * n_pad, n_pad, w.pb.data() + (h * rows + r) * (int64_t)pair_stride);
+  }
+  if (rows >= kManyRows) {
+    w.vt.resize((size_t)n_pad / 2 * D);
+    for (int h = 0; h < H; ++h) {
+      const int64_t row = (int64_t)h * rows;
+      interleave_values(vrow + h * n_pad, n_pad, D, w.vt.data());
+      gemm_pv_rows(w.pb.data() + row * pair_stride, pair_stride, rows, w.vt.data(), n_pad,
+                   w.alpha.data() + row, w.o.data() + row * D, D);
+    }
+    return;
   }
   for (int c = 0; c < n_pad; c += 32) {
     const int c1 = std::min(n_pad, c + 32);
@@ -912,6 +1095,7 @@ bool bf16_dot(int64_t enable) {
 }
 
 int64_t split_merges() { return merged_groups.load(); }
+int64_t gemm_tiles() { return many_row_tiles.load(); }
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& cu_seqlens_q,
@@ -996,4 +1180,5 @@ TORCH_LIBRARY(pagedllm_attention, m) {
       &varlen_attention);
   m.def("bf16_dot(int enable) -> bool", &bf16_dot);
   m.def("split_merges() -> int", &split_merges);
+  m.def("gemm_tiles() -> int", &gemm_tiles);
 }
