@@ -47,7 +47,10 @@ def runnable_isas(levels: int) -> list[str]:
 
 
 @pytest.mark.parametrize("levels", [63, 127])
-@pytest.mark.parametrize("m,n,k", [(1, 16, 4), (3, 37, 50), (5, 64, 130), (9, 130, 67)])
+# (150, 48, 2048): more rows than one L2-sized chunk of x (128 at K = 2048)
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 16, 4), (3, 37, 50), (5, 64, 130), (9, 130, 67), (150, 48, 2048)]
+)
 def test_matches_reference_on_every_isa(levels: int, m: int, n: int, k: int) -> None:
     torch.manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k) * 3

@@ -245,6 +245,24 @@ void block(Isa i, const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t
   block_scalar(w, xu, kp, m, acc);
 }
 
+// y[r][0:16] = float(acc[r] - zero * sums) * w_scale * step[r] (+ bias) for a whole block of
+// 16 outputs, on 16 lanes (the scalar loop's operations in its order).
+#if PAGEDLLM_X86 && defined(__GNUC__)
+__attribute__((target("avx512f"))) void rescale_block_avx512(
+    const int32_t* acc, int mr, int32_t zero, const int32_t* sums, const float* ws,
+    const float* step, const float* bias, float* y, int64_t ys) {
+  const __m512i zs = _mm512_mullo_epi32(_mm512_set1_epi32(zero), _mm512_loadu_si512(sums));
+  const __m512 scale = _mm512_loadu_ps(ws);
+  for (int r = 0; r < mr; ++r) {
+    const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * kRows), zs);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), scale),
+                             _mm512_set1_ps(step[r]));
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(y + r * ys, v);
+  }
+}
+#endif
+
 // ---- ops -------------------------------------------------------------------------------------
 // weight int8 [N, K] -> (packed int8 [ceil(N/16), ceil(K/4), 64], row sums int32 [N]).
 std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
@@ -270,6 +288,35 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
   return {packed, rowsum};
 }
 
+// quantize_rows' loop for one row on 16 lanes: the same divisions, clamps and rounding, so
+// bit for bit the scalar loop (the generic build's scalar loop is not vectorized: its
+// maximum is a float reduction, and prefill rounds 2,048 rows a call).
+#if PAGEDLLM_X86 && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(
+    const float* row, int64_t k, float lv, float zero, float tiny, uint8_t* out) {
+  __m512 mx = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
+  float absmax = _mm512_reduce_max_ps(mx);
+  for (; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+  const float s = std::max(absmax, tiny) / lv;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-lv), hi = _mm512_set1_ps(lv);
+  const __m512 magic = _mm512_set1_ps(12582912.0f), zv = _mm512_set1_ps(zero);
+  for (c = 0; c + 16 <= k; c += 16) {
+    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(row + c), sv);
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 q = _mm512_add_ps(_mm512_sub_ps(_mm512_add_ps(v, magic), magic), zv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+  }
+  for (; c < k; ++c) {
+    const float v = std::min(std::max(row[c] / s, -lv), lv);
+    out[c] = uint8_t(int32_t((v + 12582912.0f) - 12582912.0f + zero));
+  }
+  return s;
+}
+#endif
+
 // Each row of x to u8 (xq + zero, xq = round(x / step) in [-levels, levels]); K padded with
 // the zero point (xq = 0). Same arithmetic as the torch path: step = max(absmax, tiny) / levels.
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels, uint8_t* xu,
@@ -279,10 +326,22 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels,
   // Adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 half to even, like torch.round, in a
   // loop the compiler vectorizes (std::nearbyint is a library call on baseline x86-64).
   const float magic = 12582912.0f;
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  const bool avx512 = cpu_runs(Isa::kAvx512bw);
+#else
+  const bool avx512 = false;
+#endif
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)),
                    [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * k;
+#if PAGEDLLM_X86 && defined(__GNUC__)
+      if (avx512) {
+        step[r] = quantize_row_avx512(row, k, lv, zero, tiny, xu + r * kp);
+        for (int64_t c = k; c < kp; ++c) xu[r * kp + c] = uint8_t(levels + 1);
+        continue;
+      }
+#endif
       float absmax = 0.f;
       for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
       const float s = std::max(absmax, tiny) / lv;
@@ -334,19 +393,34 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t block_bytes = packed.size(1) * kRows * kGroup;
   // Enough blocks per task that a task streams at least ~64 KiB of weight.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
+  // Rows of x in chunks of about 256 KiB (half of a core's L2 on small-L2 CPUs), each chunk
+  // multiplied with every block of the task's weight: x comes from L2, not once per block
+  // from memory (prefill's 2,048 rows are more than a core's L2).
+  const int64_t chunk = std::max<int64_t>(kMaxM, (256 << 10) / kp / kMaxM * kMaxM);
+  const bool avx512 = i == Isa::kAvx512Vnni || i == Isa::kAvx512bw;
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
     int32_t acc[kMaxM * kRows];
-    for (int64_t bi = b0; bi < b1; ++bi) {
-      const int64_t n0 = bi * kRows, rows = std::min<int64_t>(kRows, n - n0);
-      for (int64_t r0 = 0; r0 < m; r0 += kMaxM) {
-        const int mr = int(std::min<int64_t>(kMaxM, m - r0));
-        block(i, w + bi * block_bytes, xu.data() + r0 * kp, kp, mr, acc);
-        for (int r = 0; r < mr; ++r) {
-          float* yr = out + (r0 + r) * n + n0;
-          const float s = step[r0 + r];
-          for (int64_t c = 0; c < rows; ++c) {
-            const float v = float(acc[r * kRows + c] - zero * sums[n0 + c]) * ws[n0 + c] * s;
-            yr[c] = b ? v + b[n0 + c] : v;
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      for (int64_t bi = b0; bi < b1; ++bi) {
+        const int64_t n0 = bi * kRows, rows = std::min<int64_t>(kRows, n - n0);
+        for (int64_t r0 = c0; r0 < c1; r0 += kMaxM) {
+          const int mr = int(std::min<int64_t>(kMaxM, c1 - r0));
+          block(i, w + bi * block_bytes, xu.data() + r0 * kp, kp, mr, acc);
+#if PAGEDLLM_X86 && defined(__GNUC__)
+          if (avx512 && rows == kRows) {
+            rescale_block_avx512(acc, mr, zero, sums + n0, ws + n0, step.data() + r0,
+                                 b ? b + n0 : nullptr, out + r0 * n + n0, n);
+            continue;
+          }
+#endif
+          for (int r = 0; r < mr; ++r) {
+            float* yr = out + (r0 + r) * n + n0;
+            const float s = step[r0 + r];
+            for (int64_t c = 0; c < rows; ++c) {
+              const float v = float(acc[r * kRows + c] - zero * sums[n0 + c]) * ws[n0 + c] * s;
+              yr[c] = b ? v + b[n0 + c] : v;
+            }
           }
         }
       }
