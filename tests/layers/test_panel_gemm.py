@@ -178,7 +178,14 @@ def test_quantized_weights_round_trip_through_panels(bits, group):
         assert torch.equal(panels.qweight[1, 5] >> 4, codes[16:32, 11].to(torch.uint8))
 
 
-QUANT_SHAPES = [(4, 64, 64, 32), (4, 96, 576, 64), (8, 48, 1536, 1536), (8, 32, 320, 32)]
+# K = 1536 and 2112: more than one dequantized slice (1,024 features) of a panel group
+QUANT_SHAPES = [
+    (4, 64, 64, 32),
+    (4, 96, 576, 64),
+    (8, 48, 1536, 1536),
+    (8, 32, 320, 32),
+    (4, 32, 2112, 32),
+]
 VNNI = panel_gemm.available() and panel_gemm.int8_activations_available()
 
 
