@@ -114,6 +114,11 @@ void block_scalar(const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t
 }
 
 #if PAGEDLLM_X86 && defined(__GNUC__)
+// How far ahead of its loads the one-row kernel requests the weight (the next blocks: they
+// are contiguous). The hardware prefetcher alone left one-row products of SmolLM2's and the
+// 125M model's small layers at 15-20 GB/s.
+constexpr int64_t kPrefetchAhead = 4096;
+
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
     const int8_t* w, const uint8_t* xu, int64_t kp, int32_t* acc) {
@@ -125,6 +130,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
   // at M = 1 when the weight is in cache.
   for (; g + 2 <= groups; g += 2) {
     const int8_t* wg = w + g * kRows * kGroup;
+    if constexpr (M <= 2) {  // decode streams the weight: request it ahead into L2
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchAhead, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchAhead + 64, _MM_HINT_T1);
+    }
     const __m512i w0 = _mm512_loadu_si512(wg);
     const __m512i w1 = _mm512_loadu_si512(wg + kRows * kGroup);
     for (int r = 0; r < M; ++r) {
