@@ -339,6 +339,24 @@ __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p,
     }
 }
 
+// Block b of panels [p, p + nr): its codes and group constants requested into L2, kVnniAhead
+// blocks before the kernel reads them. Measured over SmolLM2's 120 one-row products (Q8_0 /
+// Q4_1, best of 30 interleaved rounds): 5.3-5.9 -> 5.1 ms and 4.6 -> 4.3 ms; into L1 it was
+// 1.05-1.25x slower than none.
+constexpr int64_t kVnniAhead = 8;
+
+inline void prefetch_block(const Quant& q, int64_t p, int nr, int64_t b) {
+  const int64_t code_bytes = (q.int4 ? 16 : 32) * kPanel, elem = q.half ? 2 : 4;
+  for (int j = 0; j < nr; ++j) {
+    const char* codes =
+        reinterpret_cast<const char*>(q.codes) + ((p + j) * (q.k / 32) + b) * code_bytes;
+    for (int64_t line = 0; line < code_bytes; line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
+    const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel * elem;
+    _mm_prefetch(static_cast<const char*>(q.scale) + c, _MM_HINT_T1);
+    if (q.int4) _mm_prefetch(static_cast<const char*>(q.offset) + c, _MM_HINT_T1);
+  }
+}
+
 // Up to kSmallRows rows (decode): the codes unpacked in registers, never stored. Per block of
 // 32 input features, s = sum_k x[k] q[k] over the block's codes, then y += d * s (+ m *
 // sum_k x[k] for int4): the group constants are applied once per block, not per weight. x in
@@ -356,6 +374,7 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
       acc[i][j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
   const int64_t blocks = q.k / 32;
   for (int64_t b = 0; b < blocks; ++b) {
+    if (MR <= 2 && b + kVnniAhead < blocks) prefetch_block(q, p, NR, b + kVnniAhead);
     __m512 s[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) s[i][j] = _mm512_setzero_ps();
@@ -435,24 +454,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_ro
                                         _mm512_cvtepi32_epi8(qhi), 1);
     q = int4 ? _mm256_permutexvar_epi8(idx, q) : _mm256_xor_si256(q, _mm256_set1_epi8(-128));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + b * 8), q);  // int8: q + 128
-  }
-}
-
-// Block b of panels [p, p + nr): its codes and group constants requested into L2, kVnniAhead
-// blocks before the kernel reads them. Measured over SmolLM2's 120 one-row products (Q8_0 /
-// Q4_1, best of 30 interleaved rounds): 5.3-5.9 -> 5.1 ms and 4.6 -> 4.3 ms; into L1 it was
-// 1.05-1.25x slower than none.
-constexpr int64_t kVnniAhead = 8;
-
-inline void prefetch_block(const Quant& q, int64_t p, int nr, int64_t b) {
-  const int64_t code_bytes = (q.int4 ? 16 : 32) * kPanel, elem = q.half ? 2 : 4;
-  for (int j = 0; j < nr; ++j) {
-    const char* codes =
-        reinterpret_cast<const char*>(q.codes) + ((p + j) * (q.k / 32) + b) * code_bytes;
-    for (int64_t line = 0; line < code_bytes; line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
-    const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel * elem;
-    _mm_prefetch(static_cast<const char*>(q.scale) + c, _MM_HINT_T1);
-    if (q.int4) _mm_prefetch(static_cast<const char*>(q.offset) + c, _MM_HINT_T1);
   }
 }
 
