@@ -409,17 +409,15 @@ def gguf_weight_bytes(path: Path) -> int:
 def folder_weight_bytes(config: dict, engine_kwargs: dict) -> int:
     """Bytes of the weights one decode step reads when pagedllm loads the HF folder with these
     engine arguments: the linear layers and the LM head, in the run dtype or, with int8, one
-    byte per weight and an fp32 scale per output row (the LM head stays in the run dtype)."""
+    byte per weight and an fp32 scale per output row (the LM head too, as int8 has it by
+    default)."""
     import torch
 
     dtype_bytes = getattr(torch, engine_kwargs["dtype"]).itemsize
     shapes = linear_shapes(config)
-    head_n, head_k, _ = shapes.pop("lm_head")
     if engine_kwargs.get("quantization") == "int8":
-        body = sum((n * k + 4 * n) * t for n, k, t in shapes.values())
-    else:
-        body = dtype_bytes * sum(n * k * t for n, k, t in shapes.values())
-    return body + dtype_bytes * head_n * head_k
+        return sum((n * k + 4 * n) * t for n, k, t in shapes.values())
+    return dtype_bytes * sum(n * k * t for n, k, t in shapes.values())
 
 
 def engine_weight_bytes(engine: Engine, config: dict) -> int:

@@ -352,28 +352,45 @@ struct NextSlots {
 
 // Online-softmax update of rows [0, rows) with the scores of one key tile (n valid keys).
 // Turns the scores into probabilities and writes each row's rescale factor into alpha.
-void softmax_update(float* scores, int rows, int n, int n_pad, float* m, float* l, float* alpha) {
+// Lanes: the two vector steps of a row of n_pad scores, max(s) and, in place, s = exp(s - m)
+// with the sum of the results (Lanes8 here; the bf16-dot path's 16-lane Lanes16).
+template <typename Lanes>
+void softmax_rows(float* scores, int rows, int n, int n_pad, float* m, float* l, float* alpha) {
   for (int r = 0; r < rows; ++r) {
     float* s = scores + (int64_t)r * n_pad;
     for (int c = n; c < n_pad; ++c) s[c] = kNegInf;
-    v8f mx = splat(kNegInf);
-    for (int c = 0; c < n_pad; c += 8) mx = vmax(mx, load8(s + c));
-    const float m_new = std::max(m[r], hmax(mx));
+    const float m_new = std::max(m[r], Lanes::row_max(s, n_pad));
     if (m_new == kNegInf) {  // nothing visible yet in this row
       std::fill(s, s + n_pad, 0.0f);
       alpha[r] = 1.0f;
       continue;
     }
+    const float sum = Lanes::exp_sum(s, n_pad, m_new);
+    alpha[r] = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = m_new;
+  }
+}
+
+struct Lanes8 {
+  static float row_max(const float* s, int n_pad) {
+    v8f mx = splat(kNegInf);
+    for (int c = 0; c < n_pad; c += 8) mx = vmax(mx, load8(s + c));
+    return hmax(mx);
+  }
+  static float exp_sum(float* s, int n_pad, float m) {
     v8f sum = {};
     for (int c = 0; c < n_pad; c += 8) {
-      v8f e = exp8(load8(s + c) - m_new);
+      v8f e = exp8(load8(s + c) - m);
       store8(s + c, e);
       sum += e;
     }
-    alpha[r] = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
-    l[r] = l[r] * alpha[r] + hsum(sum);
-    m[r] = m_new;
+    return hsum(sum);
   }
+};
+
+void softmax_update(float* scores, int rows, int n, int n_pad, float* m, float* l, float* alpha) {
+  softmax_rows<Lanes8>(scores, rows, n, n_pad, m, l, alpha);
 }
 
 // Causal / window edges: -inf for the keys of tile [j0, j0 + n) that a row may not see.
@@ -596,8 +613,8 @@ BF16_DOT inline void dot_scores16(const uint16_t* q, int dim, const c10::BFloat1
   _mm512_storeu_ps(s, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 
-// exp8 and softmax_update on 16 lanes (the same steps: clamp, n = round(x log2 e), r in two
-// parts, degree-6 Taylor, 2^n from the exponent bits, exactly 0 at x <= -88).
+// exp8 on 16 lanes, for softmax_rows<Lanes16> (the same steps: clamp, n = round(x log2 e), r
+// in two parts, degree-6 Taylor, 2^n from the exponent bits, exactly 0 at x <= -88).
 BF16_DOT ALWAYS_INLINE __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
   const __m512 big = _mm512_set1_ps(12582912.0f);
@@ -613,31 +630,23 @@ BF16_DOT ALWAYS_INLINE __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-BF16_DOT void softmax_update16(float* scores, int rows, int n, int n_pad, float* m, float* l,
-                               float* alpha) {
-  for (int r = 0; r < rows; ++r) {
-    float* s = scores + (int64_t)r * n_pad;
-    for (int c = n; c < n_pad; ++c) s[c] = kNegInf;
+struct Lanes16 {
+  BF16_DOT static float row_max(const float* s, int n_pad) {
     __m512 mx = _mm512_set1_ps(kNegInf);
     for (int c = 0; c < n_pad; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + c));
-    const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
-    if (m_new == kNegInf) {  // nothing visible yet in this row
-      std::fill(s, s + n_pad, 0.0f);
-      alpha[r] = 1.0f;
-      continue;
-    }
-    const __m512 shift = _mm512_set1_ps(m_new);
+    return _mm512_reduce_max_ps(mx);
+  }
+  BF16_DOT static float exp_sum(float* s, int n_pad, float m) {
+    const __m512 shift = _mm512_set1_ps(m);
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < n_pad; c += 16) {
       const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), shift));
       _mm512_storeu_ps(s + c, e);
       sum = _mm512_add_ps(sum, e);
     }
-    alpha[r] = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-    m[r] = m_new;
+    return _mm512_reduce_add_ps(sum);
   }
-}
+};
 
 // Many rows (prefill): scores as a small GEMM. The tile's keys are transposed once into pairs
 // of features, kt[f][c] = features 2f, 2f + 1 of key c, so that one vdpbf16ps multiplies a
@@ -846,8 +855,8 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
     float* s = w.s.data() + h * head_s;
     float* alpha = w.alpha.data() + (int64_t)h * rows;
     mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
-    softmax_update16(s, rows, n, n_pad, w.m.data() + (int64_t)h * rows,
-                   w.l.data() + (int64_t)h * rows, alpha);
+    softmax_rows<Lanes16>(s, rows, n, n_pad, w.m.data() + (int64_t)h * rows,
+                          w.l.data() + (int64_t)h * rows, alpha);
     for (int r = 0; r < rows; ++r)
       to_pairs(s + (int64_t)r * n_pad, n_pad, w.pb.data() + (h * rows + r) * (int64_t)pair_stride);
   }
