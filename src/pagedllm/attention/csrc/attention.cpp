@@ -219,16 +219,21 @@ struct Scratch {
   bool first = true;                   // no item done yet (none prefetched the next one)
 };
 
-template <typename F>
-inline void row_blocks(int rows, F&& f) {  // f(first_row, integral_constant<int, R>), R <= 4
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) f(r, std::integral_constant<int, 4>{});
-  switch (rows - r) {
-    case 3: f(r, std::integral_constant<int, 3>{}); break;
-    case 2: f(r, std::integral_constant<int, 2>{}); break;
-    case 1: f(r, std::integral_constant<int, 1>{}); break;
-    default: break;
+// The last block of row_blocks: n (< RMax) rows from r as one block of n.
+template <int R, typename F>
+inline void rest_block(int r, int n, F& f) {
+  if constexpr (R >= 1) {
+    if (n == R) return f(r, std::integral_constant<int, R>{});
+    rest_block<R - 1>(r, n, f);
   }
+}
+
+// f(first_row, integral_constant<int, R>) over rows in blocks of RMax, then one of the rest.
+template <int RMax = 4, typename F>
+inline void row_blocks(int rows, F&& f) {
+  int r = 0;
+  for (; r + RMax <= rows; r += RMax) f(r, std::integral_constant<int, RMax>{});
+  rest_block<RMax - 1>(r, rows - r, f);
 }
 
 // s[r][c] = <q[r], k[c]> for R rows and 2 keys; 2R partial vectors reduced together.
@@ -686,26 +691,18 @@ BF16_DOT inline void gemm_scores(const uint16_t* q, int dim, const uint32_t* kt,
       _mm512_storeu_ps(s + (int64_t)r * s_stride + c + 16 * k, _mm512_mul_ps(acc[r][k], sc));
 }
 
-// Scores of `rows` query rows (bf16, [rows][dim]) against the n_pad keys of kt.
+// Scores of `rows` query rows (bf16, [rows][dim]) against the n_pad keys of kt, in blocks of
+// up to 6 rows x 32 keys (16 for the last group of an odd count).
 BF16_DOT void gemm_score_rows(const uint16_t* q, int rows, int dim, const uint32_t* kt,
                               int n_pad, float scale, float* s) {
-  constexpr int R = 6;
-  for (int c = 0; c < n_pad; c += 32) {
-    const bool two = c + 32 <= n_pad;
-    int r = 0;
-    for (; r + R <= rows; r += R) {
+  for (int c = 0; c < n_pad; c += 32)
+    row_blocks<6>(rows, [&](int r, auto R) {
+      constexpr int RB = decltype(R)::value;
       const uint16_t* qr = q + (int64_t)r * dim;
       float* sr = s + (int64_t)r * n_pad;
-      if (two) gemm_scores<R, 2>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
-      else gemm_scores<R, 1>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
-    }
-    for (; r < rows; ++r) {
-      const uint16_t* qr = q + (int64_t)r * dim;
-      float* sr = s + (int64_t)r * n_pad;
-      if (two) gemm_scores<1, 2>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
-      else gemm_scores<1, 1>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
-    }
-  }
+      if (c + 32 <= n_pad) gemm_scores<RB, 2>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
+      else gemm_scores<RB, 1>(qr, dim, kt, n_pad, c, scale, sr, n_pad);
+    });
 }
 
 // A row's probabilities as bf16 pairs of keys: pair j / 2 holds keys j (low half), j + 1.
@@ -799,26 +796,18 @@ BF16_DOT inline void gemm_pv(const uint32_t* pairs, int pair_stride, const uint3
     for (int k = 0; k < NZ; ++k) _mm512_storeu_ps(o + (int64_t)r * dim + d + 16 * k, acc[r][k]);
 }
 
-// o[r] = o[r] * alpha[r] + P[r] V for `rows` rows over the n_pad keys of vt.
+// o[r] = o[r] * alpha[r] + P[r] V for `rows` rows over the n_pad keys of vt, in blocks of up
+// to 6 rows x 64 features (32 for the last of a dim that is an odd multiple of 32).
 BF16_DOT void gemm_pv_rows(const uint32_t* pairs, int pair_stride, int rows, const uint32_t* vt,
                            int n_pad, const float* alpha, float* o, int dim) {
-  constexpr int R = 6;
-  for (int d = 0; d < dim; d += 64) {
-    const bool four = d + 64 <= dim;  // else 32 features left: two vectors
-    int r = 0;
-    for (; r + R <= rows; r += R) {
+  for (int d = 0; d < dim; d += 64)
+    row_blocks<6>(rows, [&](int r, auto R) {
+      constexpr int RB = decltype(R)::value;
       const uint32_t* pr = pairs + (int64_t)r * pair_stride;
       float* orow = o + (int64_t)r * dim;
-      if (four) gemm_pv<R, 4>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
-      else gemm_pv<R, 2>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
-    }
-    for (; r < rows; ++r) {
-      const uint32_t* pr = pairs + (int64_t)r * pair_stride;
-      float* orow = o + (int64_t)r * dim;
-      if (four) gemm_pv<1, 4>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
-      else gemm_pv<1, 2>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
-    }
-  }
+      if (d + 64 <= dim) gemm_pv<RB, 4>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+      else gemm_pv<RB, 2>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+    });
 }
 
 // One key tile (n valid keys of n_pad, a multiple of 16) for the item's H kv heads. Memory is

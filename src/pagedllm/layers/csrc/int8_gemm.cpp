@@ -297,32 +297,34 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
   return {packed, rowsum};
 }
 
-// quantize_rows' loop for one row on 16 lanes: the same divisions, clamps and rounding, so
-// bit for bit the scalar loop (the generic build's scalar loop is not vectorized: its
-// maximum is a float reduction, and prefill rounds 2,048 rows a call).
+// quantize_rows' two passes over a row on 16 lanes, as far as whole vectors go (the callers
+// finish the rest with the scalar loops): the same maxima, divisions, clamps and rounding, so
+// bit for bit those loops (which the generic build does not vectorize: the maximum is a float
+// reduction, and prefill rounds 2,048 rows a call). Each returns the features it covered.
 #if PAGEDLLM_X86 && defined(__GNUC__)
-__attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(
-    const float* row, int64_t k, float lv, float zero, float tiny, uint8_t* out) {
+__attribute__((target("avx512f"))) int64_t absmax_avx512(const float* row, int64_t k,
+                                                         float* absmax) {
   __m512 mx = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= k; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
-  float absmax = _mm512_reduce_max_ps(mx);
-  for (; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
-  const float s = std::max(absmax, tiny) / lv;
+  *absmax = _mm512_reduce_max_ps(mx);
+  return c;
+}
+
+__attribute__((target("avx512f"))) int64_t round_avx512(const float* row, int64_t k, float s,
+                                                        float lv, float zero, float magic,
+                                                        uint8_t* out) {
   const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-lv), hi = _mm512_set1_ps(lv);
-  const __m512 magic = _mm512_set1_ps(12582912.0f), zv = _mm512_set1_ps(zero);
-  for (c = 0; c + 16 <= k; c += 16) {
+  const __m512 mv = _mm512_set1_ps(magic), zv = _mm512_set1_ps(zero);
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
     const __m512 x = _mm512_div_ps(_mm512_loadu_ps(row + c), sv);
     const __m512 v = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    const __m512 q = _mm512_add_ps(_mm512_sub_ps(_mm512_add_ps(v, magic), magic), zv);
+    const __m512 q = _mm512_add_ps(_mm512_sub_ps(_mm512_add_ps(v, mv), mv), zv);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
                      _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
   }
-  for (; c < k; ++c) {
-    const float v = std::min(std::max(row[c] / s, -lv), lv);
-    out[c] = uint8_t(int32_t((v + 12582912.0f) - 12582912.0f + zero));
-  }
-  return s;
+  return c;
 }
 #endif
 
@@ -344,23 +346,24 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels,
                    [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * k;
-#if PAGEDLLM_X86 && defined(__GNUC__)
-      if (avx512) {
-        step[r] = quantize_row_avx512(row, k, lv, zero, tiny, xu + r * kp);
-        for (int64_t c = k; c < kp; ++c) xu[r * kp + c] = uint8_t(levels + 1);
-        continue;
-      }
-#endif
+      uint8_t* out = xu + r * kp;
       float absmax = 0.f;
-      for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+      int64_t c = 0;
+#if PAGEDLLM_X86 && defined(__GNUC__)
+      if (avx512) c = absmax_avx512(row, k, &absmax);
+#endif
+      for (; c < k; ++c) absmax = std::max(absmax, std::fabs(row[c]));
       const float s = std::max(absmax, tiny) / lv;
       step[r] = s;
-      uint8_t* out = xu + r * kp;
-      for (int64_t c = 0; c < k; ++c) {
+      c = 0;
+#if PAGEDLLM_X86 && defined(__GNUC__)
+      if (avx512) c = round_avx512(row, k, s, lv, zero, magic, out);
+#endif
+      for (; c < k; ++c) {
         const float v = std::min(std::max(row[c] / s, -lv), lv);  // clamp, then round: same
         out[c] = uint8_t(int32_t((v + magic) - magic + zero));     // as round, then clamp
       }
-      for (int64_t c = k; c < kp; ++c) out[c] = uint8_t(levels + 1);
+      for (c = k; c < kp; ++c) out[c] = uint8_t(levels + 1);
     }
   });
 }
