@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from helpers.engine import on_call, patch_execute_model
@@ -169,3 +171,27 @@ def test_failing_model_step_fails_only_its_requests(llm, monkeypatch):
     engine.check_integrity()
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4 and engine.block_manager.usage == 0.0
+
+
+def test_generate_freezes_the_heap_only_while_it_runs(llm, monkeypatch):
+    engine = llm.llm_engine
+    real = engine.executor.execute_model
+    frozen_during: list[int] = []
+
+    def step(out):  # noqa: ANN001, ANN202
+        frozen_during.append(gc.get_freeze_count())
+        return real(out)
+
+    monkeypatch.setattr(engine.executor, "execute_model", step)
+    assert gc.get_freeze_count() == 0
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(frozen_during) >= 4 and min(frozen_during) > 0
+    assert gc.get_freeze_count() == 0  # collectable again afterwards
+
+    gc.freeze()  # the caller's own freeze is left as it is
+    try:
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
