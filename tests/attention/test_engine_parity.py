@@ -7,6 +7,7 @@ import random
 
 import pytest
 from helpers.ci import unavailable
+from helpers.logprobs import GreedyOutput, check_logprobs_close, pagedllm_greedy
 from helpers.oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
@@ -70,3 +71,49 @@ def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     # the backend holds the kernel as a class attribute, bound when its module was imported
     monkeypatch.setattr(CpuAttentionBackend, "kernel", staticmethod(counted))
     return calls
+
+
+def test_decode_over_a_cached_shared_prefix_attends_it_once(model_factory):
+    """bf16, six prompts behind one 80-token prefix that an earlier request left in the prefix
+    cache: their block tables share its 5 blocks, so each decode step attends that prefix in
+    one shared item for all six (the C++ kernel's counter) and merges it with each one's own
+    keys. Greedy outputs as the same engine's without the prefix cache (nothing shared), by
+    vLLM's criterion (bf16 sums in another order)."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags):
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 K/V take the vector path, without sets")
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 320) for _ in range(80)]
+    prompts = [prefix + [rng.randrange(3, 320) for _ in range(n)] for n in (3, 7, 12, 1, 20, 9)]
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(
+            str(model_factory("llama", head_dim=32)),  # the vdpbf16ps path: dim % 32 == 0
+            dtype="bfloat16",
+            block_size=16,
+            kv_cache_memory_bytes=4 << 20,
+            enable_prefix_caching=caching,
+        )
+        pagedllm_greedy(llm, prefix + [5], 2)  # leaves the prefix's blocks in the cache
+        before = cpu_kernels.shared_prefix_items()
+        outputs[caching] = greedy_batch(llm, prompts, 12)
+        ran = cpu_kernels.shared_prefix_items() - before
+        if caching:
+            assert llm.llm_engine.block_manager.prefix_cache_hits >= 6 * 80
+            assert ran >= 11  # a shared item per decode step (one kv group: six sequences)
+        else:
+            assert ran == 0
+    for a, b in zip(outputs[True], outputs[False], strict=True):
+        check_logprobs_close(a, b, ("shared prefix", "no prefix cache"))
+
+
+def greedy_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[GreedyOutput]:
+    """Greedy tokens and each step's top-5 for prompts generated together (decoding at once)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        GreedyOutput(list(o.outputs[0].token_ids), [set(step) for step in o.outputs[0].logprobs])
+        for o in outs
+    ]

@@ -205,3 +205,85 @@ def test_bf16_dot_path_matches_reference_and_the_vector_path(head_dim, block_siz
         torch.testing.assert_close(out.float(), vector.float(), atol=3e-2, rtol=3e-2)
         differ += not torch.equal(out, vector)
     assert differ  # two paths, not one taken twice (one key a row gives V on both)
+
+
+def _shared_prefix_batch(rng, members, prefix_blocks, others, q_lens, window, block_size=16):
+    """`members` sequences whose tables start with the same `prefix_blocks` blocks, then their
+    own blocks; `others` with blocks of their own. Returns the kernel's and the reference's
+    (out, lse) and the shared-prefix items the kernel ran."""
+    heads, kv_heads, dim = 9, 3, 64
+    count = members + others
+    own = [rng.randint(1, 90) for _ in range(count)]
+    k_lens = [(prefix_blocks * block_size if i < members else 0) + own[i] for i in range(count)]
+    k_lens = [max(k, q) for k, q in zip(k_lens, q_lens)]
+    blocks = 1 + prefix_blocks + sum(-(-k // block_size) for k in k_lens)
+    key = torch.randn(blocks, block_size, kv_heads, dim).bfloat16()
+    value = torch.randn(blocks, block_size, kv_heads, dim).bfloat16()
+    tables, free = [], 1 + prefix_blocks
+    for i, length in enumerate(k_lens):
+        row = list(range(1, 1 + prefix_blocks)) if i < members else []
+        extra = -(-length // block_size) - len(row)
+        tables.append(row + list(range(free, free + extra)))
+        free += extra
+    width = max(len(r) for r in tables)
+    batch = VarlenBatch(
+        cu_seqlens_q=cu_seqlens(q_lens),
+        seq_lens_k=torch.tensor(k_lens, dtype=torch.int32),
+        cu_seqlens_k=None,
+        block_table=torch.tensor([r + [0] * (width - len(r)) for r in tables], dtype=torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(k_lens),
+    )
+    qs = [torch.randn(n, heads, dim).bfloat16() for n in q_lens]
+    ks = [key[r].reshape(-1, kv_heads, dim)[:n] for r, n in zip(tables, k_lens)]
+    vs = [value[r].reshape(-1, kv_heads, dim)[:n] for r, n in zip(tables, k_lens)]
+    before = cpu_kernels.shared_prefix_items()
+    out, lse = attention_varlen(
+        torch.cat(qs), key, value, batch, dim**-0.5, (window, 0), return_lse=True, impl="cpu"
+    )
+    ran = cpu_kernels.shared_prefix_items() - before
+    want, want_lse = reference(qs, ks, vs, dim**-0.5, True, (window, -1))
+    return out, lse, want, want_lse, ran
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads):
+    """Decoding sequences whose tables begin with the same blocks (prefix caching's shared
+    prompt): the prefix is attended by one item per set of up to 48 rows a kv group, merged with
+    each sequence's own keys; out and lse as the reference's. 16 sequences of 3 rows: one set,
+    whole-head items (1 item); 5 of them among 7 (on 2 threads an item per kv head: 3); 40:
+    sets of 16, 16, 8 (3); a prefill chunk among the members (9 query rows, one tile) joins."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    if not cpu_has_bf16_dot():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path, without sets")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rng = random.Random(threads)
+    try:
+        per_head = 3 if threads == 2 else 1  # 7 tiles: items per kv head on 2 threads
+        cases = [(16, 16, 0, None, 1), (5, 5, 2, None, per_head), (40, 10, 3, None, 3)]
+        cases.append((6, 8, 1, [1, 1, 9, 1, 1, 1, 1], per_head))
+        for members, prefix_blocks, others, q_lens, items in cases:
+            q_lens = q_lens or [1] * (members + others)
+            out, lse, want, want_lse, ran = _shared_prefix_batch(
+                rng, members, prefix_blocks, others, q_lens, -1
+            )
+            assert ran == items
+            torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_shared_prefix_needs_four_sequences_64_keys_and_no_left_window():
+    """Three sharing sequences, a prefix of 3 blocks (48 keys) or a sliding window: no set, each
+    sequence on its own, the same results."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    rng = random.Random(3)
+    for members, prefix_blocks, window in [(3, 8, -1), (8, 3, -1), (8, 8, 40)]:
+        q_lens = [1] * (members + 1)
+        out, _, want, _, ran = _shared_prefix_batch(rng, members, prefix_blocks, 1, q_lens, window)
+        assert ran == 0
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)

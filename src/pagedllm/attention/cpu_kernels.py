@@ -50,6 +50,14 @@ def split_merges() -> int:
     return int(torch.ops.pagedllm_attention.split_merges())
 
 
+def shared_prefix_items() -> int:
+    """Shared-prefix items run so far in this process: at least 4 sequences of one query tile
+    whose block tables begin with the same blocks (64 keys or more, before their queries) have
+    that prefix attended once for all their rows, merged with each one's own keys (bf16 K/V on
+    the vdpbf16ps path, paged, no left window). load() must be True."""
+    return int(torch.ops.pagedllm_attention.shared_prefix_items())
+
+
 def gemm_tiles() -> int:
     """bf16 key tiles scored as a small GEMM so far in this process (the vdpbf16ps path with
     many query rows a tile, prefill's: keys transposed once, V pairs interleaved once).

@@ -161,6 +161,7 @@ inline void to_scratch(const T* src, float* dst, int n, float scale) {
 }
 
 struct SplitGroup;
+struct SharedSet;
 
 struct Problem {
   const void* q;
@@ -188,6 +189,9 @@ struct Problem {
   const SplitGroup* groups;        // split keys (make_items): each group's chunks
   float* partials;                 // per chunk: o [H][rows][D], m [H][rows], l [H][rows]
   int64_t part_floats;             // floats per chunk's record
+  const SharedSet* shared;         // shared prefixes (make_items): each set's members
+  const int* member_seq;           // members' sequences
+  const int* member_group;         // [member][kv group]: the member's split group
 };
 
 struct Item {
@@ -195,6 +199,17 @@ struct Item {
   int64_t cost;
   int64_t key_lo = 0, key_hi = INT64_MAX;  // the chunk of keys this item sees
   int group = -1, chunk = 0;       // group >= 0: chunk `chunk` of that split group
+  int shared = -1;                 // >= 0: the prefix of that shared set, for all its members
+};
+
+// Sequences of one query tile whose block tables begin with the same blocks (a prompt prefix
+// that prefix caching shares): one item attends over those `keys` for every member's rows at
+// once (many rows: the GEMM-style tile path, each key read once for all of them) and leaves
+// each member's chunk 0 of its split group; the member's own item does the rest of its keys
+// (chunk 1), and the later of the two merges them. Cascade attention, as FlashInfer calls it.
+struct SharedSet {
+  int first, count;                // members [first, first + count)
+  int64_t keys;
 };
 
 // The chunks of one (sequence, query tile, kv heads) whose keys were split between items: each
@@ -530,7 +545,7 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
 
 // Split groups merged by this process (split_merges(): what the tests read), and bf16 key
 // tiles that took the many-rows products (gemm_tiles()).
-std::atomic<int64_t> merged_groups{0}, many_row_tiles{0};
+std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0};
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
 // and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
@@ -575,6 +590,34 @@ void finish(const Problem& p, const Item& item, int q_start, int t0, int rows, S
   std::memcpy(part + n * D, w.m.data(), n * sizeof(float));
   std::memcpy(part + n * D + n, w.l.data(), n * sizeof(float));
   if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge_chunks<T, Pos>(p, g, w);
+}
+
+// A shared item's result: each member's rows (`rows` in all, member after member) as chunk 0
+// of that member's split group, all of them before any merge (merging reuses the scratch).
+template <typename T, int (*Pos)(int)>
+void finish_shared(const Problem& p, const Item& item, const SharedSet& set, int rows,
+                   Scratch& w) {
+  const int D = p.dim, H = p.kv_per_item, G = p.heads / p.kv_heads;
+  const int kv_groups = p.kv_heads / H, kvg = item.kv0 / H;
+  for (int i = 0, r0 = 0; i < set.count; ++i) {
+    const int seq = p.member_seq[set.first + i];
+    const int mine = (p.cu_q[seq + 1] - p.cu_q[seq]) * G;
+    const SplitGroup& g = p.groups[p.member_group[(set.first + i) * kv_groups + kvg]];
+    const int64_t n = (int64_t)H * mine;
+    float* part = p.partials + g.first * p.part_floats;  // chunk 0
+    for (int h = 0; h < H; ++h) {
+      const int64_t from = (int64_t)h * rows + r0, to = (int64_t)h * mine;
+      std::memcpy(part + to * D, w.o.data() + from * D, mine * D * sizeof(float));
+      std::memcpy(part + n * D + to, w.m.data() + from, mine * sizeof(float));
+      std::memcpy(part + n * D + n + to, w.l.data() + from, mine * sizeof(float));
+    }
+    r0 += mine;
+  }
+  shared_items.fetch_add(1, std::memory_order_relaxed);
+  for (int i = 0; i < set.count; ++i) {
+    const SplitGroup& g = p.groups[p.member_group[(set.first + i) * kv_groups + kvg]];
+    if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge_chunks<T, Pos>(p, g, w);
+  }
 }
 
 // ---- bf16 K/V with AVX512-BF16: both products on vdpbf16ps ----------------------------------
@@ -877,9 +920,18 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
 void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   using T = c10::BFloat16;
   const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
-  const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
+  const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start;
   const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
-  const int rows = (t1 - t0) * G, n_pad = (p.block_n + 15) / 16 * 16;
+  const SharedSet* set = item.shared >= 0 ? &p.shared[item.shared] : nullptr;
+  int rows = (t1 - t0) * G;
+  if (set != nullptr) {  // every member's rows (one query tile each), member after member
+    rows = 0;
+    for (int i = 0; i < set->count; ++i) {
+      const int m = p.member_seq[set->first + i];
+      rows += (p.cu_q[m + 1] - p.cu_q[m]) * G;
+    }
+  }
+  const int n_pad = (p.block_n + 15) / 16 * 16;
   w.qb.resize((size_t)H * rows * D);
   w.o.assign((size_t)H * rows * D, 0.0f);
   w.m.assign((size_t)H * rows, kNegInf);
@@ -891,13 +943,27 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad);
   w.krow.resize((size_t)H * n_pad), w.vrow.resize((size_t)H * n_pad);
   const T* qbase = static_cast<const T*>(p.q);
-  for (int h = 0; h < H; ++h)
-    for (int r = 0; r < rows; ++r) {
-      const int t = t0 + r / G, head = (item.kv0 + h) * G + r % G;
-      std::memcpy(w.qb.data() + ((int64_t)h * rows + r) * D,
-                  qbase + (q_start + t) * p.q_tok + head * p.q_head, D * sizeof(T));
+  // rows from r0 on: tokens [tok0, tok1) of sequence `seq`, G query heads each
+  auto load_rows = [&](int seq, int tok0, int tok1, int r0) {
+    const int start = p.cu_q[seq], lq = p.cu_q[seq + 1] - start, lk = p.seq_lens_k[seq];
+    for (int r = 0; r < (tok1 - tok0) * G; ++r) {
+      const int t = tok0 + r / G;
+      for (int h = 0; h < H; ++h)
+        std::memcpy(w.qb.data() + ((int64_t)h * rows + r0 + r) * D,
+                    qbase + (start + t) * p.q_tok + ((item.kv0 + h) * G + r % G) * p.q_head,
+                    D * sizeof(T));
+      w.pos[r0 + r] = t + (int64_t)lk - lq;
     }
-  for (int r = 0; r < rows; ++r) w.pos[r] = t0 + r / G + (int64_t)len_k - len_q;
+  };
+  if (set == nullptr) {
+    load_rows(b, t0, t1, 0);
+  } else {
+    for (int i = 0, r0 = 0; i < set->count; ++i) {
+      const int m = p.member_seq[set->first + i], lq = p.cu_q[m + 1] - p.cu_q[m];
+      load_rows(m, 0, lq, r0);
+      r0 += lq * G;
+    }
+  }
   int64_t lo, hi;
   key_range(p, item, &lo, &hi);
   const T* kbase = static_cast<const T*>(p.k) + item.kv0 * p.k_head;
@@ -919,6 +985,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
   }
+  if (set != nullptr) return finish_shared<T, dot_pos>(p, item, *set, rows, w);
   finish<T, dot_pos>(p, item, q_start, t0, rows, w);
 }
 #else
@@ -1021,7 +1088,54 @@ struct Splits {
   std::vector<SplitGroup> groups;
   std::unique_ptr<std::atomic<int>[]> pending;
   std::vector<float> partials;
+  std::vector<SharedSet> sets;
+  std::vector<int> member_seq, member_group;
 };
+
+// A shared prefix is worth its own items from this many sequences and keys on; a set holds
+// up to kSharedRows query rows a kv head (tiles of the GEMM path, sets enough for the threads).
+constexpr int kMinSharedSeqs = 4;
+constexpr int64_t kMinSharedKeys = 64;
+constexpr int kSharedRows = 48;
+
+// Each sequence's shared prefix keys (0: none): sequences of one query tile (decode, short
+// chunks) grouped by their first block, each group's prefix the blocks all its members' tables
+// start with, ending before every member's first query (so all their rows see all of it). Only
+// the paged bf16-dot path, without a window to the left.
+std::vector<int64_t> shared_prefixes(const Problem& p, int64_t batch) {
+  std::vector<int64_t> keys(batch, 0);
+  if (p.table == nullptr || !p.bf16_dot || p.window_left >= 0 || batch < kMinSharedSeqs)
+    return keys;
+  std::vector<int> order;
+  for (int b = 0; b < batch; ++b) {
+    const int len_q = p.cu_q[b + 1] - p.cu_q[b];
+    if (len_q >= 1 && len_q <= p.block_m && p.seq_lens_k[b] - len_q >= kMinSharedKeys)
+      order.push_back(b);
+  }
+  auto first_block = [&](int b) { return p.table[b * p.table_stride]; };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return first_block(a) < first_block(b); });
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i;
+    while (j < order.size() && first_block(order[j]) == first_block(order[i])) ++j;
+    if (j - i >= (size_t)kMinSharedSeqs) {
+      const int32_t* lead = p.table + order[i] * p.table_stride;
+      int64_t blocks = INT64_MAX;
+      for (size_t k = i; k < j; ++k) {
+        const int b = order[k];
+        const int32_t* row = p.table + b * p.table_stride;
+        const int64_t before = (p.seq_lens_k[b] - (p.cu_q[b + 1] - p.cu_q[b])) / p.block_size;
+        int64_t same = 0;
+        while (same < std::min(before, blocks) && row[same] == lead[same]) ++same;
+        blocks = same;
+      }
+      if (blocks * p.block_size >= kMinSharedKeys)
+        for (size_t k = i; k < j; ++k) keys[order[k]] = blocks * p.block_size;
+    }
+    i = j;
+  }
+  return keys;
+}
 
 // Work items: (sequence, query tile, group of kv heads). Whole-head groups read each cached
 // slot's K/V (all heads adjacent) in one pass; one head per item when items would be too few
@@ -1033,11 +1147,36 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
   int64_t tiles = 0;
   for (int b = 0; b < batch; ++b) tiles += (p.cu_q[b + 1] - p.cu_q[b] + p.block_m - 1) / p.block_m;
   p.kv_per_item = tiles >= 4 * threads ? p.kv_heads : 1;
-  const int64_t base = tiles * (p.kv_heads / p.kv_per_item);
+  const int kv_groups = p.kv_heads / p.kv_per_item;
+  const int64_t base = tiles * kv_groups;
   const int64_t want = base > 0 && base < 4 * threads ? (4 * threads + base - 1) / base : 1;
+  const std::vector<int64_t> prefix = shared_prefixes(p, batch);
   std::vector<Item> items;
   int64_t parts = 0, max_rows = 0;
+  auto add_group = [&](int b, int t, int kv, int chunks, int64_t rows) {
+    splits.groups.push_back({b, t, kv, chunks, parts, nullptr});
+    parts += chunks;
+    max_rows = std::max(max_rows, rows * G);
+    return (int)splits.groups.size() - 1;
+  };
+  // Members of shared prefixes, those of one prefix together: one query tile each, chunk 0
+  // of its split groups from its set's items, chunk 1 (the rest of its keys) its own.
+  for (int b = 0; b < batch; ++b)
+    if (prefix[b] > 0) splits.member_seq.push_back(b);
+  std::stable_sort(splits.member_seq.begin(), splits.member_seq.end(), [&](int a, int b) {
+    return p.table[a * p.table_stride] < p.table[b * p.table_stride];
+  });
+  for (const int b : splits.member_seq) {
+    const int len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t len_k = p.seq_lens_k[b];
+    for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item) {
+      const int group = add_group(b, 0, kv, 2, len_q);
+      splits.member_group.push_back(group);
+      items.push_back({b, 0, kv, len_q * (len_k - prefix[b]), prefix[b], len_k, group, 1});
+    }
+  }
   for (int b = 0; b < batch; ++b) {
+    if (prefix[b] > 0) continue;
     const int len_q = p.cu_q[b + 1] - p.cu_q[b];
     const int64_t len_k = p.seq_lens_k[b];
     int64_t chunk = len_k, chunks = std::min<int64_t>(want, len_k / kMinChunkKeys);
@@ -1052,16 +1191,34 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
           items.push_back({b, t, kv, rows * len_k});
           continue;
         }
-        const int group = (int)splits.groups.size();
-        splits.groups.push_back({b, t, kv, (int)chunks, parts, nullptr});
+        const int group = add_group(b, t, kv, (int)chunks, rows);
         for (int c = 0; c < chunks; ++c) {
           const int64_t lo = c * chunk, hi = std::min(len_k, lo + chunk);
           items.push_back({b, t, kv, rows * (hi - lo), lo, hi, group, c});
         }
-        parts += chunks;
-        max_rows = std::max(max_rows, rows * G);
       }
     }
+  }
+  // The shared sets: consecutive members of one prefix, up to kSharedRows rows a kv head;
+  // an item per set and kv group.
+  const int members = (int)splits.member_seq.size();
+  for (int i = 0; i < members;) {
+    const int lead = splits.member_seq[i];
+    int j = i, rows = 0;
+    while (j < members && prefix[splits.member_seq[j]] == prefix[lead] &&
+           p.table[splits.member_seq[j] * p.table_stride] == p.table[lead * p.table_stride]) {
+      const int mine = (p.cu_q[splits.member_seq[j] + 1] - p.cu_q[splits.member_seq[j]]) * G;
+      if (j > i && rows + mine > kSharedRows) break;
+      rows += mine;
+      ++j;
+    }
+    splits.sets.push_back({i, j - i, prefix[lead]});
+    for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item) {
+      Item item{lead, 0, kv, rows / G * prefix[lead], 0, prefix[lead]};
+      item.shared = (int)splits.sets.size() - 1;
+      items.push_back(item);
+    }
+    i = j;
   }
   if (!splits.groups.empty()) {
     splits.pending = std::make_unique<std::atomic<int>[]>(splits.groups.size());
@@ -1073,6 +1230,9 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
     splits.partials.resize(parts * p.part_floats);
     p.groups = splits.groups.data();
     p.partials = splits.partials.data();
+    p.shared = splits.sets.data();
+    p.member_seq = splits.member_seq.data();
+    p.member_group = splits.member_group.data();
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -1094,6 +1254,7 @@ bool bf16_dot(int64_t enable) {
 
 int64_t split_merges() { return merged_groups.load(); }
 int64_t gemm_tiles() { return many_row_tiles.load(); }
+int64_t shared_prefix_items() { return shared_items.load(); }
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& cu_seqlens_q,
@@ -1179,4 +1340,5 @@ TORCH_LIBRARY(pagedllm_attention, m) {
   m.def("bf16_dot(int enable) -> bool", &bf16_dot);
   m.def("split_merges() -> int", &split_merges);
   m.def("gemm_tiles() -> int", &gemm_tiles);
+  m.def("shared_prefix_items() -> int", &shared_prefix_items);
 }
