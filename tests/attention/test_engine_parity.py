@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.attention_reference import cpu_has_bf16_dot
 from helpers.ci import unavailable
 from helpers.logprobs import GreedyOutput, check_logprobs_close, pagedllm_greedy
 from helpers.oracle import hf_greedy
@@ -81,8 +82,7 @@ def test_decode_over_a_cached_shared_prefix_attends_it_once(model_factory):
     vLLM's criterion (bf16 sums in another order)."""
     if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
-    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags):
+    if not cpu_has_bf16_dot():
         pytest.skip("no AVX512-BF16 on this CPU: bf16 K/V take the vector path, without sets")
     rng = random.Random(1)
     prefix = [rng.randrange(3, 320) for _ in range(80)]

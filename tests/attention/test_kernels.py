@@ -6,7 +6,14 @@ import random
 
 import pytest
 import torch
-from helpers.attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+from helpers.attention_reference import (
+    cpu_has_bf16_dot,
+    cu_seqlens,
+    make_tensors,
+    paginate,
+    random_case,
+    reference,
+)
 from helpers.ci import unavailable
 
 from pagedllm.attention import cpu_kernels
@@ -138,11 +145,6 @@ def test_few_decode_sequences_split_their_keys_into_merged_chunks(impl, dtype, t
             torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
     finally:
         torch.set_num_threads(saved)
-
-
-def cpu_has_bf16_dot() -> bool:
-    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])

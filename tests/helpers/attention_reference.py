@@ -110,3 +110,9 @@ def paginate(
             chunk = seq[b * block_size : (b + 1) * block_size]
             cache[block, : len(chunk)] = chunk
     return cache, table
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU runs the C++ kernel's bf16 path on vdpbf16ps (AVX512-BF16 and friends)."""
+    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags)

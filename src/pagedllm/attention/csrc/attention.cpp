@@ -210,6 +210,7 @@ struct Item {
 struct SharedSet {
   int first, count;                // members [first, first + count)
   int64_t keys;
+  int rows;                        // the members' query rows a kv head
 };
 
 // The chunks of one (sequence, query tile, kv heads) whose keys were split between items: each
@@ -923,14 +924,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start;
   const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
   const SharedSet* set = item.shared >= 0 ? &p.shared[item.shared] : nullptr;
-  int rows = (t1 - t0) * G;
-  if (set != nullptr) {  // every member's rows (one query tile each), member after member
-    rows = 0;
-    for (int i = 0; i < set->count; ++i) {
-      const int m = p.member_seq[set->first + i];
-      rows += (p.cu_q[m + 1] - p.cu_q[m]) * G;
-    }
-  }
+  const int rows = set != nullptr ? set->rows : (t1 - t0) * G;  // a set: member after member
   const int n_pad = (p.block_n + 15) / 16 * 16;
   w.qb.resize((size_t)H * rows * D);
   w.o.assign((size_t)H * rows * D, 0.0f);
@@ -1101,8 +1095,9 @@ constexpr int kSharedRows = 48;
 // Each sequence's shared prefix keys (0: none): sequences of one query tile (decode, short
 // chunks) grouped by their first block, each group's prefix the blocks all its members' tables
 // start with, ending before every member's first query (so all their rows see all of it). Only
-// the paged bf16-dot path, without a window to the left.
-std::vector<int64_t> shared_prefixes(const Problem& p, int64_t batch) {
+// the paged bf16-dot path, without a window to the left. `members`: the sequences with a
+// prefix, those of one prefix (one first block) next to each other.
+std::vector<int64_t> shared_prefixes(const Problem& p, int64_t batch, std::vector<int>& members) {
   std::vector<int64_t> keys(batch, 0);
   if (p.table == nullptr || !p.bf16_dot || p.window_left >= 0 || batch < kMinSharedSeqs)
     return keys;
@@ -1130,7 +1125,10 @@ std::vector<int64_t> shared_prefixes(const Problem& p, int64_t batch) {
         blocks = same;
       }
       if (blocks * p.block_size >= kMinSharedKeys)
-        for (size_t k = i; k < j; ++k) keys[order[k]] = blocks * p.block_size;
+        for (size_t k = i; k < j; ++k) {
+          keys[order[k]] = blocks * p.block_size;
+          members.push_back(order[k]);
+        }
     }
     i = j;
   }
@@ -1150,7 +1148,7 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
   const int kv_groups = p.kv_heads / p.kv_per_item;
   const int64_t base = tiles * kv_groups;
   const int64_t want = base > 0 && base < 4 * threads ? (4 * threads + base - 1) / base : 1;
-  const std::vector<int64_t> prefix = shared_prefixes(p, batch);
+  const std::vector<int64_t> prefix = shared_prefixes(p, batch, splits.member_seq);
   std::vector<Item> items;
   int64_t parts = 0, max_rows = 0;
   auto add_group = [&](int b, int t, int kv, int chunks, int64_t rows) {
@@ -1159,13 +1157,8 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
     max_rows = std::max(max_rows, rows * G);
     return (int)splits.groups.size() - 1;
   };
-  // Members of shared prefixes, those of one prefix together: one query tile each, chunk 0
-  // of its split groups from its set's items, chunk 1 (the rest of its keys) its own.
-  for (int b = 0; b < batch; ++b)
-    if (prefix[b] > 0) splits.member_seq.push_back(b);
-  std::stable_sort(splits.member_seq.begin(), splits.member_seq.end(), [&](int a, int b) {
-    return p.table[a * p.table_stride] < p.table[b * p.table_stride];
-  });
+  // Members of shared prefixes: one query tile each, chunk 0 of its split groups from its
+  // set's items, chunk 1 (the rest of its keys) its own.
   for (const int b : splits.member_seq) {
     const int len_q = p.cu_q[b + 1] - p.cu_q[b];
     const int64_t len_k = p.seq_lens_k[b];
@@ -1201,18 +1194,18 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
   }
   // The shared sets: consecutive members of one prefix, up to kSharedRows rows a kv head;
   // an item per set and kv group.
-  const int members = (int)splits.member_seq.size();
+  const std::vector<int>& member = splits.member_seq;
+  const int members = (int)member.size();
   for (int i = 0; i < members;) {
-    const int lead = splits.member_seq[i];
+    const int lead = member[i];
     int j = i, rows = 0;
-    while (j < members && prefix[splits.member_seq[j]] == prefix[lead] &&
-           p.table[splits.member_seq[j] * p.table_stride] == p.table[lead * p.table_stride]) {
-      const int mine = (p.cu_q[splits.member_seq[j] + 1] - p.cu_q[splits.member_seq[j]]) * G;
+    while (j < members && p.table[member[j] * p.table_stride] == p.table[lead * p.table_stride]) {
+      const int mine = (p.cu_q[member[j] + 1] - p.cu_q[member[j]]) * G;
       if (j > i && rows + mine > kSharedRows) break;
       rows += mine;
       ++j;
     }
-    splits.sets.push_back({i, j - i, prefix[lead]});
+    splits.sets.push_back({i, j - i, prefix[lead], rows});
     for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item) {
       Item item{lead, 0, kv, rows / G * prefix[lead], 0, prefix[lead]};
       item.shared = (int)splits.sets.size() - 1;
