@@ -222,7 +222,7 @@ def test_int8_activation_products_match_their_reference(dtype, bits, n, k, group
     packed = weight_only.in_panels(weight_only.quantize(torch.randn(n, k), bits, group))
     x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
     y = weight_only.panel_linear(x, packed, b, "avx512_vnni")
-    assert torch.equal(y, weight_only.linear(x, packed, b, int8_x=True))  # what GGUF layers run
+    assert torch.equal(y, weight_only.linear(x, packed, b, "int8"))  # what GGUF layers run
     want = int8_activation_reference(x, packed) + b.double()
     exact = x.double() @ packed.dequantize().double().T + b.double()
     scale = exact.abs().max()
@@ -230,6 +230,39 @@ def test_int8_activation_products_match_their_reference(dtype, bits, n, k, group
     assert (y.double() - want).abs().max() <= tol * scale
     assert (y.double() - exact).abs().max() <= 3e-2 * scale  # what int8 activations cost
     assert (y.double() - exact).abs().max() > 1e-5 * scale  # and they did run
+
+
+@pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI / VBMI on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,n,k,group", QUANT_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_residual_int8_activation_products_keep_fp32_accuracy(dtype, bits, n, k, group, rows):
+    """One row as two int8 rows (rounded, then what the rounding left; LM heads ask for it):
+    within 1e-4 of the exact product where one int8 row is ~1e-2 off; more rows take the
+    fp32 path."""
+    from pagedllm.layers import weight_only
+
+    torch.manual_seed(rows)
+    packed = weight_only.in_panels(weight_only.quantize(torch.randn(n, k), bits, group))
+    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    y = weight_only.panel_linear(x, packed, b, "avx512_vnni_residual")
+    assert torch.equal(y, weight_only.linear(x, packed, b, "int8_residual"))
+    assert y.dtype == dtype and y.shape == (rows, n)
+    exact = x.double() @ packed.dequantize().double().T + b.double()
+    scale = exact.abs().max()
+    if dtype == torch.float32:
+        assert (y.double() - exact).abs().max() <= 1e-4 * scale
+        one_part = weight_only.panel_linear(x, packed, b, "avx512_vnni")
+        assert (one_part.double() - exact).abs().max() > 1e-3 * scale
+    else:  # y rounded to bf16: as close as the fp32 path's
+        fp32_path = weight_only.panel_linear(x, packed, b, None)
+        worst = (fp32_path.double() - exact).abs().max()
+        assert (y.double() - exact).abs().max() <= worst + 1e-4 * scale
+    fp32_path_equal = torch.equal(y, weight_only.panel_linear(x, packed, b, None))
+    if rows > 1:
+        assert fp32_path_equal
+    elif dtype == torch.float32:  # the two parts did run: not the fp32 path's sums
+        assert not fp32_path_equal
 
 
 def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):

@@ -270,10 +270,11 @@ class WeightOnlyKernel(Int8Kernel):
             self.packed = weight_only.PackedWeight(8, self.qweight, self.scale.view(rows, 1), None)
             if weight_only.panels_run(self.packed):  # the codes move; _to_int8_class drops these
                 self.packed = weight_only.in_panels(self.packed)
+        self.x_form = "float" if self.packed is None else x_form(module, self.packed)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return weight_only.linear(x, self.packed, None)
+            return weight_only.linear(x, self.packed, None, self.x_form)
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
@@ -301,11 +302,10 @@ class GroupKernel(Int8Kernel):
         self.packed = packed
         self.scale = packed.scale.new_empty(packed.shape[0])  # its length: the output features
         self.observer = None
-        # x rounded to int8 per block (weight_only.linear), where asked and the CPU can
-        self.int8_x = int8_x and weight_only.int8_activations_run(packed)
+        self.x_form = x_form(module, packed, int8_x)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only.linear(x, self.packed, None, self.int8_x)
+        return weight_only.linear(x, self.packed, None, self.x_form)
 
     def weight_int8(self) -> torch.Tensor:
         raise TypeError("a group-quantized weight has no per-row int8 form")
@@ -313,7 +313,20 @@ class GroupKernel(Int8Kernel):
     def fused_operands(
         self, bias: torch.Tensor | None
     ) -> tuple[list[torch.Tensor | None], int] | None:
-        return _weight_only_operands(self.packed, bias, self.int8_x)
+        return _weight_only_operands(self.packed, bias, self.x_form == "int8")
+
+
+def x_form(module: nn.Module, packed: weight_only.PackedWeight, int8_x: bool = False) -> str:
+    """How a weight-only layer's x meets its codes (weight_only.linear), where the CPU runs
+    int8 activations: an LM head "int8_residual" (x as two int8 parts, within 3e-5 of fp32 x:
+    its logits pick the token, and one int8 part turned SmolLM2 Q4_1's "Paris" into French
+    babble, tests/models/test_real_model_gguf.py), a layer asking for int8_x (GGUF blocks,
+    llama.cpp's numerics) "int8"; else, and on other CPUs, "float"."""
+    if not weight_only.int8_activations_run(packed):
+        return "float"
+    if isinstance(module, ParallelLMHead):
+        return "int8_residual"
+    return "int8" if int8_x else "float"
 
 
 INT8_ACTIVATION_LEVELS = 64  # fused_ops.cpp's kInt8Activations
@@ -461,8 +474,7 @@ def install_packed(
     codes in layers/weight_only.py's layout, from quantizing it or from a GGUF file's blocks
     (layers/gguf_repack.py). The float weight is dropped; an empty one keeps the name.
     int8_x: the layer rounds up to 4 rows of x to int8 per block of 32 on AVX512-VNNI, as
-    llama.cpp does for GGUF blocks; never an LM head (its logits pick the token: int8 x there
-    turned SmolLM2 Q4_1's "Paris" into French babble, tests/models/test_real_model_gguf.py)."""
+    llama.cpp does for GGUF blocks; never an LM head (x_form)."""
     if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
         raise TypeError(f"{type(module).__name__} cannot run on packed weights")
     rows, cols = packed.shape
@@ -480,7 +492,6 @@ def install_packed(
         module.__class__ = PackedVocabParallelEmbedding
         module.packed = packed
         return
-    int8_x = int8_x and not isinstance(module, ParallelLMHead)
     _to_int8_class(module, GroupKernel(module, packed, int8_x))
 
 

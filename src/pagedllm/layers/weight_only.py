@@ -280,14 +280,20 @@ def int8_activations_run(weight: PackedWeight) -> bool:
     return weight.panels and panel_gemm.int8_activations()
 
 
+X_FORMS = {"float": None, "int8": "avx512_vnni", "int8_residual": "avx512_vnni_residual"}
+
+
 def linear(
-    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, int8_x: bool = False
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, x_form: str = "float"
 ) -> torch.Tensor:
     """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear or,
-    for a weight in panels, panel_linear). int8_x (where int8_activations_run): up to 4 rows
-    of x rounded to int8 per block of 32 on AVX512-VNNI (GGUF blocks, llama.cpp's numerics)."""
+    for a weight in panels, panel_linear). x_form (other than "float" only where
+    int8_activations_run) on AVX512-VNNI: "int8", up to 4 rows of x rounded to int8 per block
+    of 32 (GGUF blocks, llama.cpp's numerics); "int8_residual", one row as two int8 rows, x
+    rounded and what the rounding left (within 3e-5 of fp32 x at int8's cost: an LM head at
+    one decoding sequence); more rows as "float"."""
     if weight.panels:
-        return panel_linear(x, weight, bias, "avx512_vnni" if int8_x else None)
+        return panel_linear(x, weight, bias, X_FORMS[x_form])
     if x.device.type == "cpu" and load():
         return kernel_linear(x, weight, bias)
     return slab_linear(x, weight, bias)

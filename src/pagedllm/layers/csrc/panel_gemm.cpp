@@ -415,6 +415,7 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
 // int8, per 4 features, q[0..3] + 128 (vpdpbusd takes one operand unsigned: the codes' sums
 // times 128 are taken off again).
 constexpr int kVnniRows = 4;
+constexpr int kResidualRows = 1;  // two kernel rows each; at 2 rows the fp32 path was as fast
 
 bool detect_vnni() {
   __builtin_cpu_init();
@@ -434,8 +435,10 @@ std::atomic<bool>& vnni_flag() {
 
 // Row x [k] -> words [k / 4], scales [k / 32] and the rounded x's block sums [k / 32] (the
 // int4 offsets meet the same x as the codes: their errors then cancel as in x w, q8_1's way).
+// residual (when not null) [k]: x less its rounded form, the second part of a residual row.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_row(
-    const float* x, int64_t k, bool int4, int32_t* words, float* sx, float* qsum) {
+    const float* x, int64_t k, bool int4, int32_t* words, float* sx, float* qsum,
+    float* residual = nullptr) {
   // The int4 word order as a byte permute: out byte 4 w + t takes q[8 (w / 2) + 2 t + w % 2].
   alignas(32) int8_t order[32];
   for (int w = 0; w < 8; ++w)
@@ -450,6 +453,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_ro
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
     qsum[b] = sx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    if (residual != nullptr) {
+      const __m512 d = _mm512_set1_ps(sx[b]);
+      _mm512_storeu_ps(residual + b * 32, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), d, lo));
+      _mm512_storeu_ps(residual + b * 32 + 16, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), d, hi));
+    }
     __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(qlo)),
                                         _mm512_cvtepi32_epi8(qhi), 1);
     q = int4 ? _mm256_permutexvar_epi8(idx, q) : _mm256_xor_si256(q, _mm256_set1_epi8(-128));
@@ -519,18 +527,21 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void quant_til
 }
 
 // x's rows for the small-row kernels: fp32 (and per-block sums for int4 offsets); on the
-// VNNI path also quantized (words, scales: null otherwise).
+// VNNI path also quantized (words, scales: null otherwise). parts 2 (residual rows): kernel
+// rows 2r and 2r + 1 are row r of x rounded to int8 and what that rounding left, each with its
+// own scales, and row r of y is the sum of their products.
 struct SmallRows {
   const float* x;
   const float* xsum;
   const int32_t* words;
   const float* sx;
   int64_t k, blocks;
+  int parts = 1;
 
   SmallRows at(int64_t r) const {
     return {x + r * k, xsum != nullptr ? xsum + r * blocks : nullptr,
             words != nullptr ? words + r * (k / 4) : nullptr,
-            sx != nullptr ? sx + r * blocks : nullptr, k, blocks};
+            sx != nullptr ? sx + r * blocks : nullptr, k, blocks, parts};
   }
 };
 
@@ -549,7 +560,7 @@ void quant_small(const Quant& q, const SmallRows& x, int64_t p, const float* bia
   }
 }
 
-// Panels [p0, p1) of y for mr <= 4 rows of x (x, xsum and y at the tile's first row).
+// Panels [p0, p1) of y for mr <= 4 kernel rows of x (x, xsum and y at the tile's first row).
 template <typename T, int MR>
 void quant_rows_small(const Quant& q, const SmallRows& x, const float* bias, T* y, int64_t ys,
                       int64_t p, int nr) {
@@ -557,7 +568,9 @@ void quant_rows_small(const Quant& q, const SmallRows& x, const float* bias, T* 
   for (int done = 0; done < nr; done += NR) {
     float out[MR][NR][16];
     const int64_t pp = p + done;
-    const float* bp = bias != nullptr ? bias + pp * kPanel : nullptr;
+    // residual rows: the bias once, at the sum of the two parts
+    const float* pair_bias = x.parts == 2 && bias != nullptr ? bias + pp * kPanel : nullptr;
+    const float* bp = bias != nullptr && x.parts == 1 ? bias + pp * kPanel : nullptr;
     const int now = std::min(NR, nr - done);
     if (now == NR) {
       quant_small<MR, NR>(q, x, pp, bp, out);
@@ -568,14 +581,19 @@ void quant_rows_small(const Quant& q, const SmallRows& x, const float* bias, T* 
         for (int i = 0; i < MR; ++i) std::memcpy(out[i][j], one[i][0], sizeof one[i][0]);
       }
     }
-    for (int i = 0; i < MR; ++i)
+    for (int i = 0; i < MR; i += x.parts)
       for (int j = 0; j < now; ++j)
-        for (int l = 0; l < kPanel; ++l) y[i * ys + (pp + j) * kPanel + l] = T(out[i][j][l]);
+        for (int l = 0; l < kPanel; ++l) {
+          float v = out[i][j][l];
+          if (x.parts == 2 && i + 1 < MR) v += out[i + 1][j][l];
+          if (pair_bias != nullptr) v += pair_bias[j * kPanel + l];
+          y[i / x.parts * ys + (pp + j) * kPanel + l] = T(v);
+        }
   }
 }
 
-// Panels [p0, p1) of y for M <= kSmallRows rows: per group of 4 panels, tiles of up to 4 rows
-// (the group's codes stay in cache for the second tile).
+// Panels [p0, p1) of y for m <= kSmallRows kernel rows: per group of 4 panels, tiles of up to
+// 4 rows (the group's codes stay in cache for the second tile).
 template <typename T>
 void quant_panels_small(const Quant& q, int64_t m, const SmallRows& x, const float* bias, T* y,
                         int64_t p0, int64_t p1) {
@@ -584,7 +602,7 @@ void quant_panels_small(const Quant& q, int64_t m, const SmallRows& x, const flo
     const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
     for (int64_t r = 0; r < m; r += 4) {
       const SmallRows xr = x.at(r);
-      T* yr = y + r * n;
+      T* yr = y + r / x.parts * n;
       switch (std::min<int64_t>(4, m - r)) {
         case 1: quant_rows_small<T, 1>(q, xr, bias, yr, n, p, nr); break;
         case 2: quant_rows_small<T, 2>(q, xr, bias, yr, n, p, nr); break;
@@ -703,12 +721,16 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
                               int64_t bits, const c10::optional<at::Tensor>& bias,
                               const c10::optional<std::string>& isa) {
   // isa "avx512_vnni": int8 activations up to kVnniRows rows (the float path beyond);
+  // "avx512_vnni_residual": up to kResidualRows rows, each as two int8 rows (x rounded, then
+  // what the rounding left), for a product that must keep fp32 x's accuracy (an LM head);
   // "avx512_bf16" / "avx512" / default: x in fp32 throughout.
-  const bool want_vnni = isa.has_value() && *isa == "avx512_vnni";
+  const bool residual = isa.has_value() && *isa == "avx512_vnni_residual";
+  const bool want_vnni = residual || (isa.has_value() && *isa == "avx512_vnni");
 #if PAGEDLLM_X86 && defined(__GNUC__)
   TORCH_CHECK(!want_vnni || cpu_has_vnni(),
               "quant_panel_linear: this CPU lacks AVX512-VNNI / VBMI");
-  const bool vnni = want_vnni && x.size(0) <= kVnniRows;
+  const int parts = residual ? 2 : 1;
+  const bool vnni = want_vnni && x.size(0) <= (residual ? kResidualRows : kVnniRows);
 #else
   TORCH_CHECK(!want_vnni, "quant_panel_linear: this CPU lacks AVX512-VNNI / VBMI");
 #endif
@@ -770,20 +792,28 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
       }
     }
     SmallRows rows{xf.data(), exact_sums ? xsum.data() : nullptr, nullptr, nullptr, k, blocks};
+    const int64_t kernel_rows = vnni ? m * parts : m;
     if (vnni) {
-      words.resize(m * k / 4), sx.resize(m * blocks), qsum.resize(m * blocks);
-      for (int64_t r = 0; r < m; ++r)
-        quantize_row(rows.x + r * k, k, bits == 4, words.data() + r * k / 4,
-                     sx.data() + r * blocks, qsum.data() + r * blocks);
-      rows.words = words.data(), rows.sx = sx.data();
+      thread_local std::vector<float> rest;
+      rest.resize(k);
+      words.resize(kernel_rows * k / 4), sx.resize(kernel_rows * blocks);
+      qsum.resize(kernel_rows * blocks);
+      for (int64_t r = 0; r < kernel_rows; ++r) {
+        // residual: the odd kernel rows round what the even one before them left
+        const float* src = parts == 2 && r % 2 == 1 ? rest.data() : rows.x + r / parts * k;
+        quantize_row(src, k, bits == 4, words.data() + r * k / 4, sx.data() + r * blocks,
+                     qsum.data() + r * blocks, parts == 2 && r % 2 == 0 ? rest.data() : nullptr);
+      }
+      rows.words = words.data(), rows.sx = sx.data(), rows.parts = parts;
       if (bits == 4) rows.xsum = qsum.data();
     }
     const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / panel_bytes);
     at::parallel_for(0, codes.size(0), small_grain, [&](int64_t p0, int64_t p1) {
       if (bf16)
-        quant_panels_small<at::BFloat16>(q, m, rows, bp, y.data_ptr<at::BFloat16>(), p0, p1);
+        quant_panels_small<at::BFloat16>(q, kernel_rows, rows, bp, y.data_ptr<at::BFloat16>(),
+                                         p0, p1);
       else
-        quant_panels_small<float>(q, m, rows, bp, y.data_ptr<float>(), p0, p1);
+        quant_panels_small<float>(q, kernel_rows, rows, bp, y.data_ptr<float>(), p0, p1);
     });
     return y;
   }
