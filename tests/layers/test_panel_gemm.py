@@ -163,19 +163,36 @@ def test_a_tied_embedding_and_lm_head_share_one_set_of_panels(model_factory, mon
 def test_quantized_weights_round_trip_through_panels(bits, group):
     from pagedllm.layers import weight_only
 
-    rows = weight_only.quantize(torch.randn(48, 192), bits, group)
+    # 5 panels: a group of four and one alone
+    rows = weight_only.quantize(torch.randn(80, 192), bits, group)
     panels = weight_only.in_panels(rows)
-    assert panels.panels and panels.shape == rows.shape == (48, 192)
+    assert panels.panels and panels.shape == rows.shape == (80, 192)
     assert panels.group == rows.group == group
-    assert panels.qweight.shape == (3, 192 // (2 if bits == 4 else 1), 16)
-    assert panels.scale.shape == (3, 192 // group, 16)
+    assert panels.qweight.shape == (5, 192 // (2 if bits == 4 else 1), 16)
+    assert panels.scale.shape == (5, 192 // group, 16)
     back = weight_only.by_rows(panels)
     assert torch.equal(back.qweight, rows.qweight) and torch.equal(back.scale, rows.scale)
     assert torch.equal(panels.dequantize(), rows.dequantize())
+    ids = torch.tensor([79, 0, 17, 64, 33])  # rows gathered from their panels, the tail's too
+    assert torch.equal(panels.dequantize(ids), rows.dequantize(ids))
+    with pytest.raises(RuntimeError, match="outside"):
+        panels.dequantize(torch.tensor([80]))
     if bits == 4:  # step s of panel p: features 2s, 2s + 1 of its 16 outputs, low nibble first
         codes = weight_only.unpack_int4(rows.qweight)
-        assert torch.equal(panels.qweight[1, 5] & 0xF, codes[16:32, 10].to(torch.uint8))
-        assert torch.equal(panels.qweight[1, 5] >> 4, codes[16:32, 11].to(torch.uint8))
+        stored = panels.qweight.reshape(-1, 16)  # 16 outputs a step, in storage order
+        # the four panels of a group side by side per block of 16 steps, then the next block:
+        # panel 1's steps 5 and 21 (blocks 0 and 1); panel 4, alone in its group, step 21
+        for panel, step, at in ((1, 5, 1 * 16 + 5), (1, 21, (4 + 1) * 16 + 5),
+                                (4, 21, 4 * 96 + 21)):  # fmt: skip
+            outputs = slice(16 * panel, 16 * panel + 16)
+            assert torch.equal(stored[at] & 0xF, codes[outputs, 2 * step].to(torch.uint8))
+            assert torch.equal(stored[at] >> 4, codes[outputs, 2 * step + 1].to(torch.uint8))
+    # the constants likewise, per group of features: panel 2's second group, panel 4's first
+    stored = panels.scale.reshape(-1, 16)
+    groups = 192 // group
+    if groups > 1:
+        assert torch.equal(stored[4 + 2], rows.scale[32:48, 1])
+    assert torch.equal(stored[4 * groups], rows.scale[64:80, 0])
 
 
 # K = 1536 and 2112: more than one dequantized slice (1,024 features) of a panel group

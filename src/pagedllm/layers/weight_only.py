@@ -21,7 +21,8 @@ runs every row count from it, up to 8 rows with the codes unpacked in registers 
 fp32, the group constants applied once per block of 32), beyond with a slice of 4 panels at a
 time dequantized into a cache-resident scratch for the float panel micro-kernel (bf16 for a
 bf16 x, as the slab path does); an embedding in panels gathers each looked-up row from its
-panel. The row layout stays on other CPUs.
+panel. Panels are stored four at a time, block by block (:func:`in_panels`), so that a
+decode product reads its weight as three long streams. The row layout stays on other CPUs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "weight_only_gemm.cpp"
 ISAS = ("avx512", "avx2", "scalar")
 BLOCK = 32  # features per packed block; group sizes are multiples of it
 PANEL = panel_gemm.PANEL  # output features per panel (in_panels)
+GROUP_PANELS = 4  # panels stored side by side, block by block (csrc/panel_gemm.cpp's kMaxNR)
 KERNEL_MAX_ROWS = 16  # beyond this many rows the slab path (BLAS) is faster (the C++ one too)
 _SLAB_ELEMENTS = 1 << 20  # weights dequantized per slab on the many-row path (4 MiB fp32)
 
@@ -110,31 +112,20 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
-        """fp32 W[rows] (tests, the slab path, an embedding's lookups); rows a slice or ids."""
-        q, scale, offset = self._rows(rows)
-        w = q.view(q.shape[0], scale.shape[1], -1) * scale[..., None]
-        if offset is not None:
-            w = w + offset[..., None]
-        return w.view(q.shape[0], -1)
-
-    def _rows(
-        self, rows: slice | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The codes (as fp32, [T, K]), scales and offsets ([T, groups]) of rows; in panels
-        each row is gathered from its panel."""
+        """fp32 W[rows] (tests, the slab path, an embedding's lookups); rows a slice or ids.
+        In panels each row is gathered from its panel by the C++ op."""
         if self.panels:
             ids = torch.arange(self.shape[0])[rows] if isinstance(rows, slice) else rows
-            index = (ids // PANEL, slice(None), ids % PANEL)
-        else:
-            index = rows
-        codes, offset = self.qweight[index], None if self.offset is None else self.offset[index]
-        if self.bits == 8:
-            q = codes.float()
-        elif self.panels:  # [T, K / 2] pairs: feature 2s low nibble, 2s + 1 high
-            q = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(codes.shape[0], -1).float()
-        else:
-            q = unpack_int4(codes).float()
-        return q, self.scale[index], offset
+            panel_gemm.load()
+            return torch.ops.pagedllm_panel.quant_panel_rows(
+                self.qweight, self.scale, self.offset, self.bits, ids.long()
+            )
+        codes, scale = self.qweight[rows], self.scale[rows]
+        q = codes.float() if self.bits == 8 else unpack_int4(codes).float()
+        w = q.view(q.shape[0], scale.shape[1], -1) * scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[rows][..., None]
+        return w.view(q.shape[0], -1)
 
 
 # ---- packing -------------------------------------------------------------------------------
@@ -160,11 +151,42 @@ def _from_panels(t: torch.Tensor) -> torch.Tensor:  # [N / 16, C, 16] -> [N, C]
     return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
 
 
+def _steps_per_block(bits: int) -> int:
+    """Steps of a panel (its C axis) per block of 32 input features: int4 codes hold two
+    features a step, int8 one."""
+    return BLOCK // 2 if bits == 4 else BLOCK
+
+
+def _grouped(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """Panels [P, C, 16] (panel by panel) stored GROUP_PANELS at a time, ``unit`` steps by
+    ``unit`` steps: the group's panels side by side at each block. The same shape; its
+    storage order is csrc/panel_gemm.cpp's (Quant::block, Quant::constant), not the index's."""
+    p, c, lanes = t.shape
+    full = p // GROUP_PANELS * GROUP_PANELS
+    head = t[:full].reshape(p // GROUP_PANELS, GROUP_PANELS, c // unit, unit, lanes)
+    tail = t[full:].reshape(p - full, c // unit, unit, lanes)
+    parts = [head.transpose(1, 2).reshape(-1), tail.transpose(0, 1).reshape(-1)]
+    return torch.cat(parts).view(p, c, lanes)
+
+
+def _ungrouped(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """The inverse of :func:`_grouped`: panels [P, C, 16] in index order."""
+    p, c, lanes = t.shape
+    full = p // GROUP_PANELS * GROUP_PANELS
+    flat = t.reshape(-1)
+    head = flat[: full * c * lanes].view(p // GROUP_PANELS, c // unit, GROUP_PANELS, unit, lanes)
+    tail = flat[full * c * lanes :].view(c // unit, p - full, unit, lanes)
+    return torch.cat([head.transpose(1, 2).reshape(full, c, lanes),
+                      tail.transpose(0, 1).reshape(p - full, c, lanes)])  # fmt: skip
+
+
 def in_panels(weight: PackedWeight) -> PackedWeight:
     """The same weight in panels of 16 output features (csrc/panel_gemm.cpp's quantized
     panels): int8 codes [N / 16, K, 16]; int4 [N / 16, K / 2, 16] with input features 2s and
     2s + 1 of the panel's outputs in the low and high nibbles of step s; scale and offset
-    [N / 16, K / group, 16]. One kernel runs every row count from it."""
+    [N / 16, K / group, 16]. One kernel runs every row count from it. Each tensor is stored
+    four panels at a time (:func:`_grouped`): block by block for the codes, feature group by
+    feature group for the constants."""
     if weight.panels:
         return weight
     if weight.bits == 8:
@@ -173,22 +195,25 @@ def in_panels(weight: PackedWeight) -> PackedWeight:
         n, k = weight.shape
         pairs = unpack_int4(weight.qweight).view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)
         codes = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
-    offset = None if weight.offset is None else _to_panels(weight.offset)
-    return PackedWeight(weight.bits, codes, _to_panels(weight.scale), offset, panels=True)
+    codes = _grouped(codes, _steps_per_block(weight.bits))
+    offset = None if weight.offset is None else _grouped(_to_panels(weight.offset), 1)
+    scale = _grouped(_to_panels(weight.scale), 1)
+    return PackedWeight(weight.bits, codes, scale, offset, panels=True)
 
 
 def by_rows(weight: PackedWeight) -> PackedWeight:
     """The inverse of :func:`in_panels` (tests, checkpoints, dequantizing)."""
     if not weight.panels:
         return weight
+    panels = _ungrouped(weight.qweight, _steps_per_block(weight.bits))
     if weight.bits == 8:
-        codes = _from_panels(weight.qweight)
+        codes = _from_panels(panels)
     else:
         n, k = weight.shape
-        pairs = torch.stack([weight.qweight & 0xF, weight.qweight >> 4], dim=-1)  # [P, K/2, 16, 2]
+        pairs = torch.stack([panels & 0xF, panels >> 4], dim=-1)  # [P, K / 2, 16, 2]
         codes = pack_int4(pairs.permute(0, 2, 1, 3).reshape(n, k))
-    offset = None if weight.offset is None else _from_panels(weight.offset)
-    return PackedWeight(weight.bits, codes, _from_panels(weight.scale), offset)
+    offset = None if weight.offset is None else _from_panels(_ungrouped(weight.offset, 1))
+    return PackedWeight(weight.bits, codes, _from_panels(_ungrouped(weight.scale, 1)), offset)
 
 
 def panels_run(weight: PackedWeight) -> bool:

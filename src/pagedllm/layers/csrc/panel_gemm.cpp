@@ -262,13 +262,18 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
 // codes int8 [N/16][K][16] (int8) or uint8 [N/16][K/2][16] (int4: byte j of step s holds
 // q[16p + j, 2s] in its low nibble and q[16p + j, 2s + 1] in its high one); scale and, for
 // int4, offset [N/16][K/G][16], fp32, or fp16 as a GGUF file stores them (fewer bytes to
-// stream: 0.625 against 0.75 per int4 weight): w = scale * q (+ offset). A slice of K of one
-// panel group at a time is dequantized into a per-thread scratch in the float panel layout
-// (bf16 pairs for a bf16 x, fp32 otherwise) and run by the float micro-kernel over every row of
-// x: the codes stream from memory once per call, the scratch stays in L2 (4 panels x 1,024
-// features: 128 KB in bf16, 256 KB in fp32). Slices of 256 (the scratch in L1) cost the tiles
-// a round trip of their fp32 partial sums per slice: the 49,152-row LM head at 48 / 256 rows of
-// bf16 x took 10.2-10.7 / 62-74 ms against 8.4-9.0 / 35-39 ms with whole 576-feature rows.
+// stream: 0.625 against 0.75 per int4 weight): w = scale * q (+ offset). Each is stored four
+// panels at a time (Quant::block / Quant::constant): a decode product reads three long streams
+// where one per 4.6 KB panel (SmolLM2's int4) left the hardware prefetcher to start over on
+// every panel (the 120 layer products of a SmolLM2 step at one row, in one process against the
+// panel-by-panel order over 300 interleaved rounds: 12-13% faster on one thread, 3-4% on two;
+// a development A/B, not kept as a command). A slice of K of one panel group at a time is
+// dequantized into a per-thread scratch in the float panel layout (bf16 pairs for a bf16 x,
+// fp32 otherwise) and run by the float micro-kernel over every row of x: the codes stream from
+// memory once per call, the scratch stays in L2 (4 panels x 1,024 features: 128 KB in bf16,
+// 256 KB in fp32). Slices of 256 (the scratch in L1) cost the tiles a round trip of their fp32
+// partial sums per slice: the 49,152-row LM head at 48 / 256 rows of bf16 x took 10.2-10.7 /
+// 62-74 ms against 8.4-9.0 / 35-39 ms with whole 576-feature rows.
 constexpr int64_t kQuantSliceK = 1024;  // input features per dequantized slice (a multiple of 32)
 
 struct Quant {
@@ -278,6 +283,26 @@ struct Quant {
   int64_t n, k, group, groups;
   bool int4;
   bool half;  // scale and offset in fp16
+
+  // Panels are stored in groups of kMaxNR (the last may hold fewer), a group block by block:
+  // block b of its panels side by side, then block b + 1 (the codes; the constants likewise,
+  // per group of features). A decode product then reads its weight as a few long streams, where
+  // panel after panel gave every 4.6 KB panel of SmolLM2 its own short one.
+  int64_t panels() const { return n / kPanel; }
+  int64_t blocks() const { return k / 32; }
+  int64_t in_group(int64_t p) const {  // panels in p's group
+    return std::min<int64_t>(kMaxNR, panels() - p / kMaxNR * kMaxNR);
+  }
+  // Panel p's codes of block b (32 input features: 256 bytes in int4, 512 in int8).
+  const uint8_t* block(int64_t p, int64_t b) const {
+    const int64_t first = p / kMaxNR * kMaxNR, bytes = (int4 ? 16 : 32) * kPanel;
+    return codes + (first * blocks() + b * in_group(p) + (p - first)) * bytes;
+  }
+  // The element of scale / offset where panel p's 16 constants of feature group c start.
+  int64_t constant(int64_t p, int64_t c) const {
+    const int64_t first = p / kMaxNR * kMaxNR;
+    return (first * groups + c * in_group(p) + (p - first)) * kPanel;
+  }
 
   // The 16 outputs' constants of one group at element c of scale / offset, as fp32.
   __attribute__((target("avx512f"))) __m512 at(const void* base, int64_t c) const {
@@ -293,13 +318,14 @@ struct Quant {
 template <bool INT4>
 __attribute__((target("avx512f"))) inline void codes_pair(const Quant& q, int64_t p, int64_t k,
                                                           __m512& even, __m512& odd) {
+  const uint8_t* at = q.block(p, k / 32);
   if constexpr (INT4) {
     const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.codes + (p * q.k + k) / 2 * kPanel)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + (k % 32) / 2 * kPanel)));
     even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   } else {
-    const int8_t* row = reinterpret_cast<const int8_t*>(q.codes) + (p * q.k + k) * kPanel;
+    const int8_t* row = reinterpret_cast<const int8_t*>(at) + (k % 32) * kPanel;
     even = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
     odd = _mm512_cvtepi32_ps(
@@ -320,7 +346,7 @@ __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p,
                                                       int64_t k0, int64_t k1, T* out) {
   for (int j = 0; j < nr; ++j)
     for (int64_t b = k0; b < k1; b += 32) {  // a group holds whole blocks of 32 features
-      const int64_t c = ((p + j) * q.groups + b / q.group) * kPanel;
+      const int64_t c = q.constant(p + j, b / q.group);
       const __m512 d = q.at(q.scale, c);
       const __m512 m = INT4 ? q.at(q.offset, c) : _mm512_setzero_ps();
       for (int64_t k = b; k < b + 32; k += 2) {
@@ -348,10 +374,9 @@ constexpr int64_t kVnniAhead = 8;
 inline void prefetch_block(const Quant& q, int64_t p, int nr, int64_t b) {
   const int64_t code_bytes = (q.int4 ? 16 : 32) * kPanel, elem = q.half ? 2 : 4;
   for (int j = 0; j < nr; ++j) {
-    const char* codes =
-        reinterpret_cast<const char*>(q.codes) + ((p + j) * (q.k / 32) + b) * code_bytes;
+    const char* codes = reinterpret_cast<const char*>(q.block(p + j, b));
     for (int64_t line = 0; line < code_bytes; line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
-    const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel * elem;
+    const int64_t c = q.constant(p + j, b * 32 / q.group) * elem;
     _mm_prefetch(static_cast<const char*>(q.scale) + c, _MM_HINT_T1);
     if (q.int4) _mm_prefetch(static_cast<const char*>(q.offset) + c, _MM_HINT_T1);
   }
@@ -389,7 +414,7 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel;
+      const int64_t c = q.constant(p + j, b * 32 / q.group);
       const __m512 d = q.at(q.scale, c);
       if constexpr (INT4) {
         const __m512 m = q.at(q.offset, c);
@@ -489,8 +514,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void quant_til
     }
     for (int v = 0; v < 8; v += INT4 ? 2 : 1) {  // 64 code bytes each
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* src = INT4 ? q.codes + ((p + j) * q.k / 2 + b * 16 + v * 2) * kPanel
-                                  : q.codes + ((p + j) * q.k + b * 32 + v * 4) * kPanel;
+        const uint8_t* src = q.block(p + j, b) + (INT4 ? v * 2 : v * 4) * kPanel;
         const __m512i c = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(src));
         if constexpr (INT4) {
           const __m512i lo = _mm512_and_si512(c, nibble);
@@ -509,7 +533,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void quant_til
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const int64_t c = ((p + j) * q.groups + b * 32 / q.group) * kPanel;
+      const int64_t c = q.constant(p + j, b * 32 / q.group);
       const __m512 d = q.at(q.scale, c);
       const __m512 m = INT4 ? q.at(q.offset, c) : _mm512_setzero_ps();
       const __m512i fix = _mm512_slli_epi32(csum[j], 7);  // int8: 128 * sum of the codes
@@ -647,6 +671,15 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
       }
     }
   }
+}
+
+// fn(p0, p1) over the threads' shares of the panels, whole groups each (at least `grain`).
+template <typename F>
+void in_groups(const Quant& q, int64_t grain, const F& fn) {
+  const int64_t panels = q.panels();
+  at::parallel_for(0, (panels + kMaxNR - 1) / kMaxNR, grain, [&](int64_t g0, int64_t g1) {
+    fn(g0 * kMaxNR, std::min(panels, g1 * kMaxNR));
+  });
 }
 
 #endif  // PAGEDLLM_X86 && __GNUC__
@@ -807,8 +840,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
       rows.words = words.data(), rows.sx = sx.data(), rows.parts = parts;
       if (bits == 4) rows.xsum = qsum.data();
     }
-    const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / panel_bytes);
-    at::parallel_for(0, codes.size(0), small_grain, [&](int64_t p0, int64_t p1) {
+    const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * kMaxNR));
+    in_groups(q, small_grain, [&](int64_t p0, int64_t p1) {
       if (bf16)
         quant_panels_small<at::BFloat16>(q, kernel_rows, rows, bp, y.data_ptr<at::BFloat16>(),
                                          p0, p1);
@@ -817,8 +850,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
     });
     return y;
   }
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * (m / kMaxMR)));
-  at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * kMaxNR * (m / kMaxMR)));
+  in_groups(q, grain, [&](int64_t p0, int64_t p1) {
     if (bf16)
       quant_panels<at::BFloat16>(x, q, bp, y, ap, use == Isa::kAvx512Bf16, p0, p1);
     else
@@ -860,6 +893,71 @@ std::string isa() {
 
 }  // namespace
 
+// Output rows `ids` of a quantized weight in panels, dequantized: fp32 [T, K], w = scale * q
+// (+ offset), a product and then a sum as PackedWeight.dequantize rounds them. An embedding tied
+// to an LM head in panels looks its tokens up here (a gather in torch would first have to undo
+// the group order).
+at::Tensor quant_panel_rows(const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& offset, int64_t bits,
+                            const at::Tensor& ids) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_rows: bits 4 or 8");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "quant_panel_rows: codes [N / 16, K (/ 2), 16] of uint8 (int4) / int8");
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == codes.size(0) && scale.is_contiguous() &&
+                  (half || scale.scalar_type() == at::kFloat),
+              "quant_panel_rows: scale fp32 / fp16 [N / 16, K / G, 16]");
+  TORCH_CHECK((bits == 4) == offset.has_value() &&
+                  (!offset.has_value() || (offset->sizes() == scale.sizes() &&
+                                           offset->scalar_type() == scale.scalar_type() &&
+                                           offset->is_contiguous())),
+              "quant_panel_rows: int4 has offsets like scale, int8 none");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_panel_rows: int64 ids");
+  const int64_t n = codes.size(0) * kPanel, k = codes.size(1) * (bits == 4 ? 2 : 1);
+  const at::Tensor index = ids.contiguous();
+  const int64_t* row = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < index.numel(); ++t)
+    TORCH_CHECK(row[t] >= 0 && row[t] < n, "quant_panel_rows: id ", row[t], " outside [0, ", n,
+                ")");
+  at::Tensor out = at::empty({index.numel(), k}, scale.options().dtype(at::kFloat));
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  const int64_t groups = scale.size(1);
+  const Quant q{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(),
+                offset.has_value() ? offset->data_ptr() : nullptr,
+                n, k, k / groups, groups, bits == 4, half};
+  auto constant = [&](const void* base, int64_t i) {
+    return half ? float(static_cast<const at::Half*>(base)[i]) : static_cast<const float*>(base)[i];
+  };
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, index.numel(), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = row[t] / kPanel, lane = row[t] % kPanel;
+      float* w = dst + t * k;
+      for (int64_t b = 0; b < q.blocks(); ++b) {
+        const uint8_t* block = q.block(p, b);
+        const int64_t c = q.constant(p, b * 32 / q.group) + lane;
+        const float d = constant(q.scale, c), m = q.int4 ? constant(q.offset, c) : 0.0f;
+        for (int f = 0; f < 32; ++f) {
+          float code;
+          if (q.int4) {
+            const uint8_t byte = block[(f / 2) * kPanel + lane];
+            code = float(f % 2 == 0 ? byte & 15 : byte >> 4);
+          } else {
+            code = float(reinterpret_cast<const int8_t*>(block)[f * kPanel + lane]);
+          }
+          const float scaled = code * d;
+          w[b * 32 + f] = q.int4 ? scaled + m : scaled;
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "quant_panel_rows: panels need an x86-64 build");
+#endif
+  return out;
+}
+
 TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias, str? isa=None) -> Tensor",
         &panel_linear);
@@ -867,6 +965,9 @@ TORCH_LIBRARY(pagedllm_panel, m) {
       "quant_panel_linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, int bits, "
       "Tensor? bias, str? isa=None) -> Tensor",
       &quant_panel_linear);
+  m.def("quant_panel_rows(Tensor codes, Tensor scale, Tensor? offset, int bits, Tensor ids) -> "
+        "Tensor",
+        &quant_panel_rows);
   m.def("available() -> bool", &available);
   m.def("vnni() -> bool", &vnni);
   m.def("int8_activations(int enable) -> bool", &int8_activations);
