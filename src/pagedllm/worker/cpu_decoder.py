@@ -107,6 +107,11 @@ class CpuFusedDecoder:
 
     def __init__(self, segments: list[tuple[DecoderOperands, int]]) -> None:
         self.segments = segments  # (operands, kv_group) in layer order
+        # each segment's operands in C++ once: a step passes a handle, not hundreds of tensors
+        self.plans = [
+            torch.classes.pagedllm_fused.DecoderPlan(ops.tensors, ops.ints, ops.floats)
+            for ops, _ in segments
+        ]
 
     @property
     def operands(self) -> DecoderOperands:
@@ -158,15 +163,13 @@ class CpuFusedDecoder:
         """(hidden, residual) after the last layer, as the layers' own forward would return
         them (the final norm is the caller's); residual None: the first layer starts it."""
         positions = positions.contiguous()
-        for ops, group in self.segments:
+        for plan, (_, group) in zip(self.plans, self.segments):
             md = metadata.for_group(group)
             hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
                 hidden,
                 residual,
                 positions,
-                ops.tensors,
-                ops.ints,
-                ops.floats,
+                plan,
                 md.slot_mapping,
                 md.batch.cu_seqlens_q.contiguous(),
                 md.batch.seq_lens_k.contiguous(),

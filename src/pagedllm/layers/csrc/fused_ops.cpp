@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -598,17 +599,34 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return rms_norm(rows, weight, eps, offset).view({x.size(0), x.size(1), x.size(2)});
 }
 
+// A model's decoder-layer operands, handed to C++ once when the fused decoder is built: a step
+// then passes one handle, where the list of SmolLM2's 30 layers (780 optional tensors) was
+// converted from Python at every step.
+struct DecoderPlan : torch::CustomClassHolder {
+  c10::List<c10::optional<at::Tensor>> tensors;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+
+  DecoderPlan(c10::List<c10::optional<at::Tensor>> t, std::vector<int64_t> i,
+              std::vector<double> f)
+      : tensors(std::move(t)), ints(std::move(i)), floats(std::move(f)) {
+    const int64_t layers = int64_t(tensors.size()) / kTensorsPerLayer;
+    TORCH_CHECK(int64_t(tensors.size()) == layers * kTensorsPerLayer &&
+                    int64_t(ints.size()) == layers * kIntsPerLayer &&
+                    int64_t(floats.size()) == layers * kFloatsPerLayer,
+                "DecoderPlan: operand lists of different layer counts");
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& hidden_in, const c10::optional<at::Tensor>& residual_in,
-    const at::Tensor& positions, const c10::List<c10::optional<at::Tensor>>& tensors,
-    at::IntArrayRef ints, c10::ArrayRef<double> floats, const at::Tensor& slot_mapping,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k,
+    const at::Tensor& positions, const c10::intrusive_ptr<DecoderPlan>& plan,
+    const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k,
     const at::Tensor& block_table) {
+  const c10::List<c10::optional<at::Tensor>>& tensors = plan->tensors;
+  const std::vector<int64_t>& ints = plan->ints;
+  const std::vector<double>& floats = plan->floats;
   const int64_t layers = int64_t(tensors.size()) / kTensorsPerLayer;
-  TORCH_CHECK(int64_t(tensors.size()) == layers * kTensorsPerLayer &&
-                  int64_t(ints.size()) == layers * kIntsPerLayer &&
-                  int64_t(floats.size()) == layers * kFloatsPerLayer,
-              "decoder_layers: operand lists of different layer counts");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.stride(1) == 1, "hidden: [T, D]");
   TORCH_CHECK(hidden_in.scalar_type() == at::kFloat || hidden_in.scalar_type() == at::kBFloat16,
               "decoder_layers: float32 or bfloat16");
@@ -745,9 +763,12 @@ TORCH_LIBRARY(pagedllm_fused, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("decoder_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] tensors, "
-        "int[] ints, float[] floats, Tensor slot_mapping, Tensor cu_seqlens_q, "
-        "Tensor seq_lens_k, Tensor block_table) -> (Tensor, Tensor)");
+  m.class_<DecoderPlan>("DecoderPlan")
+      .def(torch::init<c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>,
+                       std::vector<double>>());
+  m.def("decoder_layers(Tensor hidden, Tensor? residual, Tensor positions, "
+        "__torch__.torch.classes.pagedllm_fused.DecoderPlan plan, Tensor slot_mapping, "
+        "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_table) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_fused, CPU, m) {
