@@ -159,8 +159,9 @@ def _steps_per_block(bits: int) -> int:
 
 def _grouped(t: torch.Tensor, unit: int) -> torch.Tensor:
     """Panels [P, C, 16] (panel by panel) stored GROUP_PANELS at a time, ``unit`` steps by
-    ``unit`` steps: the group's panels side by side at each block. The same shape; its
-    storage order is csrc/panel_gemm.cpp's (Quant::block, Quant::constant), not the index's."""
+    ``unit`` steps: the group's panels side by side at each block of 32 features (codes) or
+    feature group (constants), then the next. The same shape; its storage order is
+    csrc/panel_gemm.cpp's (Quant::block, Quant::constant), not the index's."""
     p, c, lanes = t.shape
     full = p // GROUP_PANELS * GROUP_PANELS
     head = t[:full].reshape(p // GROUP_PANELS, GROUP_PANELS, c // unit, unit, lanes)
@@ -185,8 +186,8 @@ def in_panels(weight: PackedWeight) -> PackedWeight:
     panels): int8 codes [N / 16, K, 16]; int4 [N / 16, K / 2, 16] with input features 2s and
     2s + 1 of the panel's outputs in the low and high nibbles of step s; scale and offset
     [N / 16, K / group, 16]. One kernel runs every row count from it. Each tensor is stored
-    four panels at a time (:func:`_grouped`): block by block for the codes, feature group by
-    feature group for the constants."""
+    four panels at a time (:func:`_grouped`): block by block for the codes,
+    feature group by feature group for the constants."""
     if weight.panels:
         return weight
     if weight.bits == 8:

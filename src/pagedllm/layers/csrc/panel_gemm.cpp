@@ -276,6 +276,18 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
 // 62-74 ms against 8.4-9.0 / 35-39 ms with whole 576-feature rows.
 constexpr int64_t kQuantSliceK = 1024;  // input features per dequantized slice (a multiple of 32)
 
+// fn(p, nr) over panels [p0, p1) in runs of up to kMaxNR panels of one stored group (Quant): a
+// thread's share of whole panels need not start at a group, which keeps two threads even
+// (SmolLM2's 36-panel products split 18 / 18 rather than 20 / 16).
+template <typename F>
+inline void stored_groups(int64_t p0, int64_t p1, const F& fn) {
+  for (int64_t p = p0; p < p1;) {
+    const int64_t end = std::min(p1, (p / kMaxNR + 1) * kMaxNR);
+    fn(p, int(end - p));
+    p = end;
+  }
+}
+
 struct Quant {
   const uint8_t* codes;
   const void* scale;
@@ -616,14 +628,13 @@ void quant_rows_small(const Quant& q, const SmallRows& x, const float* bias, T* 
   }
 }
 
-// Panels [p0, p1) of y for m <= kSmallRows kernel rows: per group of 4 panels, tiles of up to
-// 4 rows (the group's codes stay in cache for the second tile).
+// Panels [p0, p1) of y for m <= kSmallRows kernel rows: per stored group of 4 panels, tiles of
+// up to 4 rows (the group's codes stay in cache for the second tile).
 template <typename T>
 void quant_panels_small(const Quant& q, int64_t m, const SmallRows& x, const float* bias, T* y,
                         int64_t p0, int64_t p1) {
   const int64_t n = q.n;
-  for (int64_t p = p0; p < p1; p += kMaxNR) {
-    const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
+  stored_groups(p0, p1, [&](int64_t p, int nr) {
     for (int64_t r = 0; r < m; r += 4) {
       const SmallRows xr = x.at(r);
       T* yr = y + r / x.parts * n;
@@ -634,7 +645,7 @@ void quant_panels_small(const Quant& q, int64_t m, const SmallRows& x, const flo
         default: quant_rows_small<T, 4>(q, xr, bias, yr, n, p, nr); break;
       }
     }
-  }
+  });
 }
 
 template <typename T>
@@ -649,8 +660,7 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
   t.panel = kQuantSliceK * kPanel;  // elements per panel of the scratch, either layout
   t.ys = y.stride(0);
   t.w = scratch.data();
-  for (int64_t p = p0; p < p1; p += kMaxNR) {
-    const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
+  stored_groups(p0, p1, [&](int64_t p, int nr) {
     t.bias = bias != nullptr ? bias + p * kPanel : nullptr;
     for (int64_t k0 = 0; k0 < q.k; k0 += kQuantSliceK) {
       const int64_t k1 = std::min(q.k, k0 + kQuantSliceK);
@@ -670,15 +680,6 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
         tile_any<T>(mr, nr, t);
       }
     }
-  }
-}
-
-// fn(p0, p1) over the threads' shares of the panels, whole groups each (at least `grain`).
-template <typename F>
-void in_groups(const Quant& q, int64_t grain, const F& fn) {
-  const int64_t panels = q.panels();
-  at::parallel_for(0, (panels + kMaxNR - 1) / kMaxNR, grain, [&](int64_t g0, int64_t g1) {
-    fn(g0 * kMaxNR, std::min(panels, g1 * kMaxNR));
   });
 }
 
@@ -840,8 +841,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
       rows.words = words.data(), rows.sx = sx.data(), rows.parts = parts;
       if (bits == 4) rows.xsum = qsum.data();
     }
-    const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * kMaxNR));
-    in_groups(q, small_grain, [&](int64_t p0, int64_t p1) {
+    const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / panel_bytes);
+    at::parallel_for(0, codes.size(0), small_grain, [&](int64_t p0, int64_t p1) {
       if (bf16)
         quant_panels_small<at::BFloat16>(q, kernel_rows, rows, bp, y.data_ptr<at::BFloat16>(),
                                          p0, p1);
@@ -850,8 +851,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
     });
     return y;
   }
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * kMaxNR * (m / kMaxMR)));
-  in_groups(q, grain, [&](int64_t p0, int64_t p1) {
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * (m / kMaxMR)));
+  at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
     if (bf16)
       quant_panels<at::BFloat16>(x, q, bp, y, ap, use == Isa::kAvx512Bf16, p0, p1);
     else
