@@ -72,7 +72,7 @@ def test_the_cache_has_a_pool_per_layer_group_sized_by_need(model_factory):
     assert [layer.kv_group for layer in runner.model.attention_layers()] == [1, 0, 1]
     # the fused CPU decoder serves it, one call per run of layers of one group
     assert isinstance(runner.fast_path, CpuFusedDecoder)
-    assert [group for _, group in runner.fast_path.segments] == [1, 0, 1]
+    assert [s.kv_group for s in runner.fast_path.segments] == [1, 0, 1]
     k0, _ = runner.kv_caches[0]
     k1, _ = runner.kv_caches[1]
     assert k0.shape[0] == sliding.num_blocks and k1.shape[0] == spec.num_blocks

@@ -3,6 +3,10 @@ count against float64, bf16 rounding, and the loader moving float layers into pa
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 from helpers.int8_activations import int8_activation_reference
@@ -280,6 +284,32 @@ def test_residual_int8_activation_products_keep_fp32_accuracy(dtype, bits, n, k,
         assert fp32_path_equal
     elif dtype == torch.float32:  # the two parts did run: not the fp32 path's sums
         assert not fp32_path_equal
+
+
+def kernel_bodies(library: str, name: str) -> dict[str, str]:
+    """The disassembly of each function in `library` whose demangled name contains `name`."""
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    bodies = {}
+    for block in listing.split("\n\n"):
+        head = re.match(r"[0-9a-f]+ <(.*)>:", block.strip())
+        if head and name in head[1]:
+            bodies[head[1]] = block
+    return bodies
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+def test_the_one_row_quantized_kernels_request_their_weight_ahead_into_l2():
+    """Every instantiation of the one-row kernels carries its software prefetch (prefetcht1)
+    in the built library. GCC 12 once dropped the intrinsic from an inline helper without a
+    word, which no product test can see: the products were right, only slower."""
+    panel_gemm.load()
+    library = next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
+    for kernel in ("quant_tile_small<1,", "quant_tile_small<2,", "quant_tile_vnni<"):
+        bodies = kernel_bodies(library, kernel.replace(",", ", "))
+        assert bodies, f"no {kernel} in {library}"
+        for name, body in bodies.items():
+            assert "prefetcht1" in body, f"{name} requests nothing ahead"
 
 
 def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):

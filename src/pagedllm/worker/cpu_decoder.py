@@ -99,24 +99,33 @@ def _add_layer(operands: DecoderOperands, layer: nn.Module, dtype: torch.dtype) 
     operands.floats += [eps, spec.scale]
 
 
+@dataclass
+class Segment:
+    """A run of consecutive layers of one KV cache group: its operands (which tests read) and
+    the same operands in C++ once (a step passes this handle, not hundreds of tensors)."""
+
+    operands: DecoderOperands
+    kv_group: int
+    plan: torch.ScriptObject = field(init=False)
+
+    def __post_init__(self) -> None:
+        ops = self.operands
+        self.plan = torch.classes.pagedllm_fused.DecoderPlan(ops.tensors, ops.ints, ops.floats)
+
+
 class CpuFusedDecoder:
     """The decoder layers of one model (one partition tier's), packed for the C++ op.
 
     One C++ call per run of consecutive layers of the same KV cache group (each group has
     its own block tables and slot mapping): a single call for single-group models."""
 
-    def __init__(self, segments: list[tuple[DecoderOperands, int]]) -> None:
-        self.segments = segments  # (operands, kv_group) in layer order
-        # each segment's operands in C++ once: a step passes a handle, not hundreds of tensors
-        self.plans = [
-            torch.classes.pagedllm_fused.DecoderPlan(ops.tensors, ops.ints, ops.floats)
-            for ops, _ in segments
-        ]
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments  # in layer order
 
     @property
     def operands(self) -> DecoderOperands:
         """The first segment's operands (every layer's, for a single-group model)."""
-        return self.segments[0][0]
+        return self.segments[0].operands
 
     @classmethod
     def build(cls, layers: nn.ModuleList, dtype: torch.dtype) -> CpuFusedDecoder | None:
@@ -124,18 +133,18 @@ class CpuFusedDecoder:
         a layer cannot run here. Another tier's pass-through layers are skipped."""
         if dtype not in cpu_fused.DTYPES or not cpu_fused.load():
             return None
-        segments: list[tuple[DecoderOperands, int]] = []
+        runs: list[tuple[DecoderOperands, int]] = []  # (operands, kv_group)
         for layer in layers:
             if isinstance(layer, PassThroughLayer):
                 continue
             group = layer.self_attn.attn.kv_group
-            if not segments or segments[-1][1] != group:
-                segments.append((DecoderOperands(), group))
+            if not runs or runs[-1][1] != group:
+                runs.append((DecoderOperands(), group))
             try:
-                _add_layer(segments[-1][0], layer, dtype)
+                _add_layer(runs[-1][0], layer, dtype)
             except _Unfusable:
                 return None
-        return cls(segments) if segments else None
+        return cls([Segment(ops, group) for ops, group in runs]) if runs else None
 
     @staticmethod
     def why_not(layers: nn.ModuleList, dtype: torch.dtype) -> str:
@@ -163,13 +172,13 @@ class CpuFusedDecoder:
         """(hidden, residual) after the last layer, as the layers' own forward would return
         them (the final norm is the caller's); residual None: the first layer starts it."""
         positions = positions.contiguous()
-        for plan, (_, group) in zip(self.plans, self.segments):
-            md = metadata.for_group(group)
+        for segment in self.segments:
+            md = metadata.for_group(segment.kv_group)
             hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
                 hidden,
                 residual,
                 positions,
-                plan,
+                segment.plan,
                 md.slot_mapping,
                 md.batch.cu_seqlens_q.contiguous(),
                 md.batch.seq_lens_k.contiguous(),

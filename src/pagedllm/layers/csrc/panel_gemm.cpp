@@ -326,6 +326,32 @@ struct Quant {
   }
 };
 
+// codes, scale and offset as quant_panel_linear and quant_panel_rows take them, checked: codes
+// int8 [N / 16, K, 16] (8 bits) or uint8 [N / 16, K / 2, 16] (4 bits), scale fp32 / fp16
+// [N / 16, K / G, 16] with G a multiple of 32, offset like scale for 4 bits and absent for 8.
+Quant quant_operands(const at::Tensor& codes, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& offset, int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits 4 or 8");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              op, ": codes [N / 16, K (/ 2), 16] of uint8 (int4) / int8");
+  const int64_t n = codes.size(0) * kPanel, k = codes.size(1) * (bits == 4 ? 2 : 1);
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == codes.size(0) && scale.size(2) == kPanel &&
+                  (half || scale.scalar_type() == at::kFloat) && scale.is_contiguous(),
+              op, ": scale fp32 / fp16 [N / 16, K / G, 16]");
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0,
+              op, ": groups of a multiple of 32 input features");
+  TORCH_CHECK((bits == 4) == offset.has_value(), op, ": int4 has offsets, int8 none");
+  if (offset.has_value())
+    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == scale.scalar_type() &&
+                    offset->is_contiguous(), op, ": offset like scale");
+  return Quant{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(),
+               offset.has_value() ? offset->data_ptr() : nullptr,
+               n, k, k / groups, groups, bits == 4, half};
+}
+
 // The codes of panel p's 16 outputs at input features k and k + 1 (k even), as fp32.
 template <bool INT4>
 __attribute__((target("avx512f"))) inline void codes_pair(const Quant& q, int64_t p, int64_t k,
@@ -377,20 +403,40 @@ __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p,
     }
 }
 
-// Block b of panels [p, p + nr): its codes and group constants requested into L2, kVnniAhead
-// blocks before the kernel reads them. Measured over SmolLM2's 120 one-row products (Q8_0 /
-// Q4_1, best of 30 interleaved rounds): 5.3-5.9 -> 5.1 ms and 4.6 -> 4.3 ms; into L1 it was
-// 1.05-1.25x slower than none.
-constexpr int64_t kVnniAhead = 8;
+// The weight kAheadBytes ahead of block b of panels [p, p + nr), requested into L2: the codes
+// in the stored order, which runs on from a group's last block into the next group's first
+// (the groups lie one after another), and the constants as far ahead in their own order (once
+// per feature group). At one row a product only streams its weight, and the hardware
+// prefetcher alone kept SmolLM2's Q4_1 products well below the read bandwidth. Measured on a
+// 2-core Xeon with AMX (a development A/B in one process, 25 interleaved rounds, the weights
+// cold): the 120 one-row Q4_1 products of a step 4.27 -> 3.97 ms median, the Q8_0 head after
+// them 1.08 -> 0.82 ms; 4 to 16 KB ahead measured alike.
+constexpr int64_t kAheadBytes = 8192;
 
-inline void prefetch_block(const Quant& q, int64_t p, int nr, int64_t b) {
-  const int64_t code_bytes = (q.int4 ? 16 : 32) * kPanel, elem = q.half ? 2 : 4;
-  for (int j = 0; j < nr; ++j) {
-    const char* codes = reinterpret_cast<const char*>(q.block(p + j, b));
-    for (int64_t line = 0; line < code_bytes; line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
-    const int64_t c = q.constant(p + j, b * 32 / q.group) * elem;
-    _mm_prefetch(static_cast<const char*>(q.scale) + c, _MM_HINT_T1);
-    if (q.int4) _mm_prefetch(static_cast<const char*>(q.offset) + c, _MM_HINT_T1);
+// prefetcht1 as an asm statement: GCC 12 drops _mm_prefetch / __builtin_prefetch (they have no
+// result) from an inline helper like the one below, and the kernels then ran with no software
+// prefetch at all (tests/layers/test_panel_gemm.py checks the built library for it).
+inline void to_l2(const void* line) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(line)));
+}
+
+inline void prefetch_ahead(const Quant& q, int64_t p, int nr, int64_t b) {
+  const int64_t bits = q.int4 ? 4 : 8, block_bytes = 32 * kPanel * bits / 8;  // a panel's
+  const char* codes = reinterpret_cast<const char*>(q.block(p, b)) + kAheadBytes;
+  const char* codes_end = reinterpret_cast<const char*>(q.codes) + q.n * q.k * bits / 8;
+  for (int64_t line = 0; line < nr * block_bytes; line += 64)
+    if (codes + line < codes_end) to_l2(codes + line);
+  if (b * 32 % q.group != 0) return;
+  // The constants' order advances elem * 16 bytes per panel and feature group, the codes'
+  // group * 16 * bits / 8: the same distance in features is this many bytes of constants.
+  const int64_t elem = q.half ? 2 : 4;
+  const int64_t ahead = kAheadBytes * elem * 8 / (q.group * bits);
+  const int64_t c = q.constant(p, b * 32 / q.group) * elem + ahead;
+  const int64_t constants_end = q.n * q.groups * elem;
+  for (int64_t line = 0; line < nr * kPanel * elem; line += 64) {
+    if (c + line >= constants_end) break;
+    to_l2(static_cast<const char*>(q.scale) + c + line);
+    if (q.int4) to_l2(static_cast<const char*>(q.offset) + c + line);
   }
 }
 
@@ -411,7 +457,7 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
       acc[i][j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
   const int64_t blocks = q.k / 32;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (MR <= 2 && b + kVnniAhead < blocks) prefetch_block(q, p, NR, b + kVnniAhead);
+    if (MR <= 2) prefetch_ahead(q, p, NR, b);
     __m512 s[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) s[i][j] = _mm512_setzero_ps();
@@ -518,7 +564,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void quant_til
       acc[i][j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
   const int64_t blocks = q.k / 32, row_words = q.k / 4;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b + kVnniAhead < blocks) prefetch_block(q, p, NR, b + kVnniAhead);
+    prefetch_ahead(q, p, NR, b);
     __m512i s[MR][NR], csum[NR];
     for (int j = 0; j < NR; ++j) {
       csum[j] = _mm512_setzero_si512();
@@ -763,28 +809,11 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
 #if PAGEDLLM_X86 && defined(__GNUC__)
   TORCH_CHECK(!want_vnni || cpu_has_vnni(),
               "quant_panel_linear: this CPU lacks AVX512-VNNI / VBMI");
+  const Isa use = want_vnni ? cpu_isa() : isa_to_run(isa, "quant_panel_linear");
   const int parts = residual ? 2 : 1;
   const bool vnni = want_vnni && x.size(0) <= (residual ? kResidualRows : kVnniRows);
-#else
-  TORCH_CHECK(!want_vnni, "quant_panel_linear: this CPU lacks AVX512-VNNI / VBMI");
-#endif
-  const Isa use = want_vnni ? cpu_isa() : isa_to_run(isa, "quant_panel_linear");
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_linear: bits 4 or 8");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
-                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "quant_panel_linear: codes [N / 16, K (/ 2), 16] of uint8 (int4) / int8");
-  const int64_t n = codes.size(0) * kPanel, k = codes.size(1) * (bits == 4 ? 2 : 1);
-  const bool half = scale.scalar_type() == at::kHalf;
-  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == codes.size(0) && scale.size(2) == kPanel &&
-                  (half || scale.scalar_type() == at::kFloat) && scale.is_contiguous(),
-              "quant_panel_linear: scale fp32 / fp16 [N / 16, K / G, 16]");
-  const int64_t groups = scale.size(1);
-  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0,
-              "quant_panel_linear: groups of a multiple of 32 input features");
-  TORCH_CHECK((bits == 4) == offset.has_value(), "quant_panel_linear: int4 has offsets, int8 none");
-  if (offset.has_value())
-    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == scale.scalar_type() &&
-                    offset->is_contiguous(), "quant_panel_linear: offset like scale");
+  const Quant q = quant_operands(codes, scale, offset, bits, "quant_panel_linear");
+  const int64_t n = q.n, k = q.k;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_panel_linear: x float32 / bfloat16 [M, ", k, "] with unit stride");
@@ -796,11 +825,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
   at::Tensor acc;  // bfloat16 keeps fp32 partial sums between K slices
   if (bf16 && k > kQuantSliceK) acc = at::empty({m, n}, x.options().dtype(at::kFloat));
   float* ap = acc.defined() ? acc.data_ptr<float>() : nullptr;
-  const Quant q{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(),
-                offset.has_value() ? offset->data_ptr() : nullptr,
-                n, k, k / groups, groups, bits == 4, half};
   const int64_t panel_bytes = k * kPanel * bits / 8;
-#if PAGEDLLM_X86 && defined(__GNUC__)
   if (m <= kSmallRows) {
     // x in fp32, its per-block sums and (VNNI) its int8 form, in buffers of this thread: a
     // decode step makes hundreds of these calls on small layers, where tensor set-up showed.
@@ -858,8 +883,10 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
     else
       quant_panels<float>(x, q, bp, y, nullptr, false, p0, p1);
   });
-#endif
   return y;
+#else
+  TORCH_CHECK(false, "quant_panel_linear: panels need an x86-64 build");
+#endif
 }
 
 bool available() { return cpu_isa() != Isa::kNone; }
@@ -892,8 +919,6 @@ std::string isa() {
   }
 }
 
-}  // namespace
-
 // Output rows `ids` of a quantized weight in panels, dequantized: fp32 [T, K], w = scale * q
 // (+ offset), a product and then a sum as PackedWeight.dequantize rounds them. An embedding tied
 // to an LM head in panels looks its tokens up here (a gather in torch would first have to undo
@@ -901,34 +926,19 @@ std::string isa() {
 at::Tensor quant_panel_rows(const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& offset, int64_t bits,
                             const at::Tensor& ids) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_rows: bits 4 or 8");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
-                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "quant_panel_rows: codes [N / 16, K (/ 2), 16] of uint8 (int4) / int8");
-  const bool half = scale.scalar_type() == at::kHalf;
-  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == codes.size(0) && scale.is_contiguous() &&
-                  (half || scale.scalar_type() == at::kFloat),
-              "quant_panel_rows: scale fp32 / fp16 [N / 16, K / G, 16]");
-  TORCH_CHECK((bits == 4) == offset.has_value() &&
-                  (!offset.has_value() || (offset->sizes() == scale.sizes() &&
-                                           offset->scalar_type() == scale.scalar_type() &&
-                                           offset->is_contiguous())),
-              "quant_panel_rows: int4 has offsets like scale, int8 none");
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  const Quant q = quant_operands(codes, scale, offset, bits, "quant_panel_rows");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_panel_rows: int64 ids");
-  const int64_t n = codes.size(0) * kPanel, k = codes.size(1) * (bits == 4 ? 2 : 1);
   const at::Tensor index = ids.contiguous();
   const int64_t* row = index.data_ptr<int64_t>();
   for (int64_t t = 0; t < index.numel(); ++t)
-    TORCH_CHECK(row[t] >= 0 && row[t] < n, "quant_panel_rows: id ", row[t], " outside [0, ", n,
-                ")");
+    TORCH_CHECK(row[t] >= 0 && row[t] < q.n, "quant_panel_rows: id ", row[t], " outside [0, ",
+                q.n, ")");
+  const int64_t k = q.k;
   at::Tensor out = at::empty({index.numel(), k}, scale.options().dtype(at::kFloat));
-#if PAGEDLLM_X86 && defined(__GNUC__)
-  const int64_t groups = scale.size(1);
-  const Quant q{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(),
-                offset.has_value() ? offset->data_ptr() : nullptr,
-                n, k, k / groups, groups, bits == 4, half};
   auto constant = [&](const void* base, int64_t i) {
-    return half ? float(static_cast<const at::Half*>(base)[i]) : static_cast<const float*>(base)[i];
+    return q.half ? float(static_cast<const at::Half*>(base)[i])
+                  : static_cast<const float*>(base)[i];
   };
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, index.numel(), 16, [&](int64_t t0, int64_t t1) {
@@ -953,11 +963,13 @@ at::Tensor quant_panel_rows(const at::Tensor& codes, const at::Tensor& scale,
       }
     }
   });
+  return out;
 #else
   TORCH_CHECK(false, "quant_panel_rows: panels need an x86-64 build");
 #endif
-  return out;
 }
+
+}  // namespace
 
 TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias, str? isa=None) -> Tensor",
