@@ -299,13 +299,15 @@ def kernel_bodies(library: str, name: str) -> dict[str, str]:
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
-def test_the_one_row_quantized_kernels_request_their_weight_ahead_into_l2():
-    """Every instantiation of the one-row kernels carries its software prefetch (prefetcht1)
-    in the built library. GCC 12 once dropped the intrinsic from an inline helper without a
+def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
+    """Every instantiation of the kernels that stream a weight at a few rows carries its
+    software prefetch (prefetcht1) in the built library. GCC 12 once dropped the intrinsic from an inline helper without a
     word, which no product test can see: the products were right, only slower."""
     panel_gemm.load()
     library = next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
-    for kernel in ("quant_tile_small<1,", "quant_tile_small<2,", "quant_tile_vnni<"):
+    kernels = ("quant_tile_small<1,", "quant_tile_small<2,", "quant_tile_vnni<", "tile_f32<",
+               "tile_bf16_dp<", "tile_bf16_fma<")
+    for kernel in kernels:
         bodies = kernel_bodies(library, kernel.replace(",", ", "))
         assert bodies, f"no {kernel} in {library}"
         for name, body in bodies.items():
