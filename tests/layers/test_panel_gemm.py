@@ -301,8 +301,9 @@ def kernel_bodies(library: str, name: str) -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
 def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
     """Every instantiation of the kernels that stream a weight at a few rows carries its
-    software prefetch (prefetcht1) in the built library. GCC 12 once dropped the intrinsic from an inline helper without a
-    word, which no product test can see: the products were right, only slower."""
+    software prefetch (prefetcht1) in the built library. GCC 12 once dropped the intrinsic
+    from an inline helper without a word, which no product test can see: the products were
+    right, only slower."""
     panel_gemm.load()
     library = next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
     kernels = ("quant_tile_small<1,", "quant_tile_small<2,", "quant_tile_vnni<", "tile_f32<",
