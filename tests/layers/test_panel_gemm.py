@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(
     not panel_gemm.available(), reason="the panel GEMM needs a CPU with AVX-512F"
 )
 
-# The bf16 paths this CPU runs: the dot-product instruction where it has AVX512-BF16, and the
-# two-FMA path every AVX-512 CPU runs.
-BF16_ISAS = ["avx512"] + (["avx512_bf16"] if panel_gemm.isa() == "avx512_bf16" else [])
+# The bf16 paths this CPU runs: AMX tiles beyond 6 rows where it has AMX-BF16, the dot-product
+# instruction where it has AVX512-BF16, and the two-FMA path every AVX-512 CPU runs.
+AMX = panel_gemm.isa() == "amx_bf16"
+BF16_ISAS = ["avx512"] + (["avx512_bf16", "amx_bf16"] if AMX else [])
+BF16_ISAS += ["avx512_bf16"] if panel_gemm.isa() == "avx512_bf16" else []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,6 +70,33 @@ def test_products_match_float64_at_every_row_count(dtype, isa, tol, n, k, rows):
         assert (y.double() - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU (or no tile state from the kernel)")
+def test_bf16_products_of_more_than_six_rows_run_on_amx_tiles():
+    """Beyond 6 rows a bf16 product (float panels, or a quantized weight's dequantized slices)
+    runs on AMX in blocks of 16 rows, the last padded; 6 rows and an explicit AVX512-BF16 do
+    not, and the tiles agree with it to bf16 rounding."""
+    from pagedllm.layers import weight_only
+
+    torch.manual_seed(0)
+    w = torch.randn(80, 576).to(torch.bfloat16)
+    panels = panel_gemm.pack(w)
+    before = panel_gemm.amx_blocks()
+    panel_gemm.linear(torch.randn(6, 576).to(torch.bfloat16), panels, None)
+    panel_gemm.linear(torch.randn(40, 576).to(torch.bfloat16), panels, None, "avx512_bf16")
+    assert panel_gemm.amx_blocks() == before
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    y = panel_gemm.linear(x, panels, None)
+    grew = panel_gemm.amx_blocks() - before
+    assert grew > 0 and grew % 3 == 0  # 40 rows: 3 blocks of 16 for each group of panels
+    torch.testing.assert_close(y, panel_gemm.linear(x, panels, None, "avx512_bf16"),
+                               rtol=8e-3, atol=0)  # fmt: skip
+    packed = weight_only.in_panels(weight_only.quantize(torch.randn(96, 1536), 4, 32))
+    before = panel_gemm.amx_blocks()
+    y = weight_only.panel_linear(x.new_zeros(20, 1536).normal_(), packed, None, None)
+    assert panel_gemm.amx_blocks() > before
+    assert y.shape == (20, 96)
+
+
 def test_products_take_leading_dims_and_strided_rows():
     w = torch.randn(32, 24)
     panels = panel_gemm.pack(w)
@@ -78,12 +107,13 @@ def test_products_take_leading_dims_and_strided_rows():
 
 
 @pytest.mark.parametrize("isa", BF16_ISAS)
-def test_bf16_outputs_round_to_nearest_even_like_torch(isa):
+@pytest.mark.parametrize("rows", [4, 16])  # 16: on AMX tiles where the CPU has them
+def test_bf16_outputs_round_to_nearest_even_like_torch(isa, rows):
     # One input pair (x0, 0): each output is one fp32 product, exact, then rounded to bf16.
     torch.manual_seed(0)
-    x = torch.zeros(4, 2, dtype=torch.bfloat16)
-    x[:, 0] = torch.randn(4).to(torch.bfloat16)
-    w = torch.zeros(256, 2, dtype=torch.bfloat16)
+    x = torch.zeros(rows, 32, dtype=torch.bfloat16)
+    x[:, 0] = torch.randn(rows).to(torch.bfloat16)
+    w = torch.zeros(256, 32, dtype=torch.bfloat16)
     w[:, 0] = torch.randn(256).to(torch.bfloat16)
     y = panel_gemm.linear(x, panel_gemm.pack(w), None, isa)
     want = (x[:, :1].float() * w[:, 0].float()).to(torch.bfloat16)
@@ -94,7 +124,7 @@ def test_bf16_outputs_round_to_nearest_even_like_torch(isa):
 
 def test_an_isa_the_cpu_lacks_is_refused():
     w = panel_gemm.pack(torch.randn(16, 4))
-    with pytest.raises(RuntimeError, match="isa is avx512_bf16 or avx512"):
+    with pytest.raises(RuntimeError, match="isa is amx_bf16, avx512_bf16 or avx512"):
         panel_gemm.linear(torch.randn(1, 4), w, None, "avx2")
 
 
@@ -306,8 +336,14 @@ def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
     right, only slower."""
     panel_gemm.load()
     library = next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
-    kernels = ("quant_tile_small<1,", "quant_tile_small<2,", "quant_tile_vnni<", "tile_f32<",
-               "tile_bf16_dp<", "tile_bf16_fma<")
+    kernels = (
+        "quant_tile_small<1,",
+        "quant_tile_small<2,",
+        "quant_tile_vnni<",
+        "tile_f32<",
+        "tile_bf16_dp<",
+        "tile_bf16_fma<",
+    )
     for kernel in kernels:
         bodies = kernel_bodies(library, kernel.replace(",", ", "))
         assert bodies, f"no {kernel} in {library}"

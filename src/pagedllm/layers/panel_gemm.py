@@ -53,8 +53,14 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """avx512_bf16 | avx512 | none: how the kernel multiplies on this CPU."""
+    """amx_bf16 | avx512_bf16 | avx512 | none: how the kernel multiplies on this CPU
+    (amx_bf16: bfloat16 products of more than 6 rows on AMX tiles, fewer on AVX512-BF16)."""
     return torch.ops.pagedllm_panel.isa() if load() else "none"
+
+
+def amx_blocks() -> int:
+    """Blocks of 16 rows this process has multiplied on AMX tiles."""
+    return torch.ops.pagedllm_panel.amx_blocks() if load() else 0
 
 
 def packable(weight: torch.Tensor) -> bool:

@@ -31,7 +31,10 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define PAGEDLLM_X86 1
 #else
 #define PAGEDLLM_X86 0
@@ -52,13 +55,27 @@ int64_t slice_steps(int64_t m, int64_t steps, int64_t width, int64_t elem) {
   return std::max<int64_t>(16, kSliceBytes / (kMaxNR * width * elem));
 }
 
-enum class Isa { kNone = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
+// kAmxBf16: AVX512-BF16 and AMX-BF16 tiles (bfloat16 products of more than kMaxMR rows).
+enum class Isa { kNone = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmxBf16 = 3 };
+
+#if PAGEDLLM_X86 && defined(__GNUC__)
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the tile data state granted to
+// this process: Linux hands it out on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool detect_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+#endif
 
 Isa detect() {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512f")) return Isa::kNone;
-  return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
+  if (!__builtin_cpu_supports("avx512bf16")) return Isa::kAvx512;
+  return detect_amx() ? Isa::kAmxBf16 : Isa::kAvx512Bf16;
 #else
   return Isa::kNone;
 #endif
@@ -254,6 +271,144 @@ void tile_any(int mr, int nr, const Tile<T>& t) {
     case 5: return tile_nr<T, 5>(nr, t);
     default: return tile_nr<T, 6>(nr, t);
   }
+}
+
+// ---- AMX tiles (bfloat16, more than kMaxMR rows) ----------------------------------------------
+// One tdpbf16ps multiplies a tile of 16 rows x 32 features of x (16 x 64 bytes) by a tile of
+// 32 features x 16 outputs in pairs (16 x 64 bytes), adding into 16 x 16 fp32 sums. The bf16
+// panel layout's 16 pairs of a panel are that second tile as stored (one tileloadd, stride 64
+// bytes), so a group of 4 panels is 4 tiles of sums (tmm0-3) against one tile of x (tmm4), the
+// weights passing through tmm5-7. Rows go in blocks of 16 (x padded with zero rows to a
+// multiple of 16); a group's panels stay in L2 while every block passes over them.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// GCC 12's tile intrinsics are asm statements that do not tell the compiler which memory they
+// read or write (_tile_loadconfig names 8 bytes of the 64, and the rows and widths were dropped
+// as dead stores): the configuration is loaded with the whole of it as the operand, and
+// amx_block fences the compiler's memory order on entry and exit.
+__attribute__((target("amx-tile"))) void amx_begin() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+
+inline void memory_fence_for_compiler() { asm volatile("" : : : "memory"); }
+
+__attribute__((target("amx-tile"))) void amx_end() { _tile_release(); }
+
+// sums [16][kMaxNR * 16] = 16 rows of x (rows of x_bytes) . panels [0, NR) at w, `pairs` pairs of
+// features (a multiple of 16) from the panels' first.
+template <int NR>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_block(const at::BFloat16* x,
+                                                             int64_t x_bytes,
+                                                             const at::BFloat16* w, int64_t panel,
+                                                             int64_t pairs, float* sums) {
+  memory_fence_for_compiler();  // x and w as written before the call
+  _tile_zero(0);
+  if constexpr (NR > 1) _tile_zero(1);
+  if constexpr (NR > 2) _tile_zero(2);
+  if constexpr (NR > 3) _tile_zero(3);
+  for (int64_t s = 0; s < pairs; s += 16) {
+    const at::BFloat16* ws = w + s * 2 * kPanel;
+    _tile_loadd(4, x + 2 * s, x_bytes);
+    _tile_loadd(5, ws, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NR > 1) {
+      _tile_loadd(6, ws + panel, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NR > 2) {
+      _tile_loadd(7, ws + 2 * panel, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NR > 3) {
+      _tile_loadd(5, ws + 3 * panel, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  constexpr int64_t stride = kMaxNR * kPanel * sizeof(float);
+  _tile_stored(0, sums, stride);
+  if constexpr (NR > 1) _tile_stored(1, sums + kPanel, stride);
+  if constexpr (NR > 2) _tile_stored(2, sums + 2 * kPanel, stride);
+  if constexpr (NR > 3) _tile_stored(3, sums + 3 * kPanel, stride);
+  memory_fence_for_compiler();  // sums as the tiles stored them
+}
+
+// One K slice of panels [p, p + nr) for every row: x (a multiple of 16 rows of xs elements, at
+// the slice's first feature), the weight at w (panel elements apart), `pairs` of features. The
+// sums go to y (the last slice, rounded) or to acc (fp32 [rows][ys]), with the bias (first
+// slice) or acc's earlier sums added, as the AVX-512 tiles do.
+struct AmxSlice {
+  const at::BFloat16* x;
+  int64_t xs, rows;  // rows: the real ones (x has them padded to a multiple of 16)
+  const at::BFloat16* w;
+  int64_t panel, pairs;
+  const float* bias;  // this group's, or null
+  at::BFloat16* y;    // this group's first output of row 0
+  float* acc;         // likewise, or null (one slice)
+  int64_t ys;
+  bool first, last;
+};
+
+// Blocks of 16 rows run on AMX tiles in this process (amx_blocks()).
+std::atomic<int64_t> amx_block_count{0};
+
+__attribute__((target("avx512f"))) void amx_slice(const AmxSlice& a, int nr) {
+  amx_block_count.fetch_add((a.rows + 15) / 16, std::memory_order_relaxed);
+  alignas(64) float sums[16][kMaxNR * kPanel];
+  for (int64_t r0 = 0; r0 < a.rows; r0 += 16) {
+    const at::BFloat16* x = a.x + r0 * a.xs;
+    const int64_t x_bytes = a.xs * int64_t(sizeof(at::BFloat16));
+    switch (nr) {
+      case 1: amx_block<1>(x, x_bytes, a.w, a.panel, a.pairs, &sums[0][0]); break;
+      case 2: amx_block<2>(x, x_bytes, a.w, a.panel, a.pairs, &sums[0][0]); break;
+      case 3: amx_block<3>(x, x_bytes, a.w, a.panel, a.pairs, &sums[0][0]); break;
+      default: amx_block<4>(x, x_bytes, a.w, a.panel, a.pairs, &sums[0][0]); break;
+    }
+    for (int64_t i = 0; i < std::min<int64_t>(16, a.rows - r0); ++i)
+      for (int j = 0; j < nr; ++j) {
+        const int64_t at = (r0 + i) * a.ys + j * kPanel;
+        __m512 v = _mm512_load_ps(&sums[i][j * kPanel]);
+        if (!a.first)
+          v = _mm512_add_ps(v, _mm512_loadu_ps(a.acc + at));
+        else if (a.bias != nullptr)
+          v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + j * kPanel));
+        if (a.last)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + at), f32_to_bf16(v));
+        else
+          _mm512_storeu_ps(a.acc + at, v);
+      }
+  }
+}
+
+// x [M, K] bf16 as the tiles read it: itself when M is a multiple of 16, else a copy with zero
+// rows up to one.
+at::Tensor amx_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), padded = (m + 15) / 16 * 16;
+  if (padded == m) return x;
+  at::Tensor xp = at::zeros({padded, x.size(1)}, x.options());
+  xp.narrow(0, 0, m).copy_(x);
+  return xp;
+}
+
+// Panels [p0, p1) of y for all rows on AMX, whole K per group (the group's panels stay in L2).
+void amx_panels(const at::Tensor& xp, int64_t m, const at::Tensor& w, const float* bias,
+                at::Tensor& y, int64_t p0, int64_t p1) {
+  const int64_t pairs = w.size(1), panel = pairs * 2 * kPanel;
+  amx_begin();
+  for (int64_t p = p0; p < p1; p += kMaxNR) {
+    const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
+    AmxSlice a{xp.data_ptr<at::BFloat16>(), xp.stride(0), m,
+               w.data_ptr<at::BFloat16>() + p * panel, panel, pairs,
+               bias != nullptr ? bias + p * kPanel : nullptr,
+               y.data_ptr<at::BFloat16>() + p * kPanel, nullptr, y.stride(0), true, true};
+    amx_slice(a, nr);
+  }
+  amx_end();
 }
 
 // Panels [p0, p1) of y for all M rows: K in slices that keep a panel group's weight in L2,
@@ -719,6 +874,23 @@ void quant_panels_small(const Quant& q, int64_t m, const SmallRows& x, const flo
   });
 }
 
+// fn(p, nr, k0, k1) for each stored group of panels [p, p + nr) in [p0, p1) and each slice
+// [k0, k1) of its input features, after dequantizing that slice into `scratch` (T's panel
+// layout: kQuantSliceK features a panel).
+template <typename T, typename F>
+void dequantized_slices(const Quant& q, int64_t p0, int64_t p1, T* scratch, const F& fn) {
+  stored_groups(p0, p1, [&](int64_t p, int nr) {
+    for (int64_t k0 = 0; k0 < q.k; k0 += kQuantSliceK) {
+      const int64_t k1 = std::min(q.k, k0 + kQuantSliceK);
+      if (q.int4)
+        dequant_slice<true>(q, p, nr, k0, k1, scratch);
+      else
+        dequant_slice<false>(q, p, nr, k0, k1, scratch);
+      fn(p, nr, k0, k1);
+    }
+  });
+}
+
 template <typename T>
 void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Tensor& y,
                   float* acc, bool dp, int64_t p0, int64_t p1) {
@@ -731,27 +903,37 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
   t.panel = kQuantSliceK * kPanel;  // elements per panel of the scratch, either layout
   t.ys = y.stride(0);
   t.w = scratch.data();
-  stored_groups(p0, p1, [&](int64_t p, int nr) {
+  dequantized_slices(q, p0, p1, scratch.data(), [&](int64_t p, int nr, int64_t k0, int64_t k1) {
     t.bias = bias != nullptr ? bias + p * kPanel : nullptr;
-    for (int64_t k0 = 0; k0 < q.k; k0 += kQuantSliceK) {
-      const int64_t k1 = std::min(q.k, k0 + kQuantSliceK);
-      if (q.int4)
-        dequant_slice<true>(q, p, nr, k0, k1, scratch.data());
-      else
-        dequant_slice<false>(q, p, nr, k0, k1, scratch.data());
-      t.k0 = 0;
-      t.k1 = (k1 - k0) / per_step;
-      t.first = k0 == 0;
-      t.last = k1 == q.k;
-      for (int64_t r = 0; r < m; r += kMaxMR) {
-        const int mr = int(std::min<int64_t>(kMaxMR, m - r));
-        t.x = x.data_ptr<T>() + r * t.xs + k0;
-        t.y = y.data_ptr<T>() + r * t.ys + p * kPanel;
-        t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
-        tile_any<T>(mr, nr, t);
-      }
+    t.k0 = 0;
+    t.k1 = (k1 - k0) / per_step;
+    t.first = k0 == 0;
+    t.last = k1 == q.k;
+    for (int64_t r = 0; r < m; r += kMaxMR) {
+      const int mr = int(std::min<int64_t>(kMaxMR, m - r));
+      t.x = x.data_ptr<T>() + r * t.xs + k0;
+      t.y = y.data_ptr<T>() + r * t.ys + p * kPanel;
+      t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
+      tile_any<T>(mr, nr, t);
     }
   });
+}
+
+// quant_panels for a bfloat16 x on AMX: each dequantized slice (bf16 pairs, the float panel
+// layout) is the tiles' weight; xp has its rows padded to a multiple of 16 (amx_rows).
+void quant_panels_amx(const at::Tensor& xp, int64_t m, const Quant& q, const float* bias,
+                      at::Tensor& y, float* acc, int64_t p0, int64_t p1) {
+  std::vector<at::BFloat16> scratch(kMaxNR * kQuantSliceK * kPanel);
+  amx_begin();
+  dequantized_slices(q, p0, p1, scratch.data(), [&](int64_t p, int nr, int64_t k0, int64_t k1) {
+    AmxSlice a{xp.data_ptr<at::BFloat16>() + k0, xp.stride(0), m, scratch.data(),
+               kQuantSliceK * kPanel, (k1 - k0) / 2,
+               bias != nullptr ? bias + p * kPanel : nullptr,
+               y.data_ptr<at::BFloat16>() + p * kPanel,
+               acc != nullptr ? acc + p * kPanel : nullptr, y.stride(0), k0 == 0, k1 == q.k};
+    amx_slice(a, nr);
+  });
+  amx_end();
 }
 
 #endif  // PAGEDLLM_X86 && __GNUC__
@@ -767,9 +949,18 @@ std::pair<at::Tensor, at::Tensor> output_and_bias(const at::Tensor& x, int64_t n
 }
 
 Isa isa_from_name(const std::string& name) {
+  if (name == "amx_bf16") return Isa::kAmxBf16;
   if (name == "avx512_bf16") return Isa::kAvx512Bf16;
   if (name == "avx512") return Isa::kAvx512;
-  TORCH_CHECK(false, "panel_linear: isa is avx512_bf16 or avx512, not ", name);
+  TORCH_CHECK(false, "panel_linear: isa is amx_bf16, avx512_bf16 or avx512, not ", name);
+}
+
+const char* isa_needs(Isa isa) {
+  switch (isa) {
+    case Isa::kAmxBf16: return "AMX-BF16 (or the kernel its tile state)";
+    case Isa::kAvx512Bf16: return "AVX512-BF16";
+    default: return "AVX-512F";
+  }
 }
 
 // isa: the instruction set to run (tests of the path a CPU without AVX512-BF16 takes);
@@ -777,7 +968,7 @@ Isa isa_from_name(const std::string& name) {
 Isa isa_to_run(const c10::optional<std::string>& isa, const char* op) {
   const Isa use = isa.has_value() ? isa_from_name(*isa) : cpu_isa();
   TORCH_CHECK(cpu_isa() != Isa::kNone && use <= cpu_isa(), op, ": this CPU lacks ",
-              use == Isa::kAvx512Bf16 ? "AVX512-BF16" : "AVX-512F");
+              isa_needs(use));
   return use;
 }
 
@@ -798,7 +989,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   if (m == 0) return y;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t row_bytes = k * x.element_size();
-  const bool sliced = w.size(1) > slice_steps(m, w.size(1), w.size(2), w.element_size());
+  // bfloat16 beyond kMaxMR rows on AMX: whole K per panel group, blocks of 16 rows
+  const bool amx = use == Isa::kAmxBf16 && x.scalar_type() == at::kBFloat16 && m > kMaxMR &&
+                   k % 32 == 0;
+  const bool sliced =
+      !amx && w.size(1) > slice_steps(m, w.size(1), w.size(2), w.element_size());
   // bfloat16 keeps fp32 partial sums between K slices (float32 keeps them in y)
   at::Tensor acc;
   if (sliced && x.scalar_type() == at::kBFloat16)
@@ -809,11 +1004,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t work = panel_bytes * std::max<int64_t>(1, m / kMaxMR) + row_bytes;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / work);
 #if PAGEDLLM_X86 && defined(__GNUC__)
+  if (amx) {
+    const at::Tensor xp = amx_rows(x);
+    at::parallel_for(0, w.size(0), grain, [&](int64_t p0, int64_t p1) {
+      amx_panels(xp, m, w, bp, y, p0, p1);
+    });
+    return y;
+  }
   at::parallel_for(0, w.size(0), grain, [&](int64_t p0, int64_t p1) {
     if (x.scalar_type() == at::kFloat)
       panels<float>(x, w, bp, y, nullptr, false, p0, p1);
     else
-      panels<at::BFloat16>(x, w, bp, y, ap, use == Isa::kAvx512Bf16, p0, p1);
+      panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1);
   });
 #endif
   return y;
@@ -902,9 +1104,16 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
     return y;
   }
   const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * (m / kMaxMR)));
+  if (bf16 && use == Isa::kAmxBf16) {
+    const at::Tensor xp = amx_rows(x);
+    at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
+      quant_panels_amx(xp, m, q, bp, y, ap, p0, p1);
+    });
+    return y;
+  }
   at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
     if (bf16)
-      quant_panels<at::BFloat16>(x, q, bp, y, ap, use == Isa::kAvx512Bf16, p0, p1);
+      quant_panels<at::BFloat16>(x, q, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1);
     else
       quant_panels<float>(x, q, bp, y, nullptr, false, p0, p1);
   });
@@ -915,6 +1124,14 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
 }
 
 bool available() { return cpu_isa() != Isa::kNone; }
+
+int64_t amx_blocks() {
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  return amx_block_count.load();
+#else
+  return 0;
+#endif
+}
 
 // Whether this CPU runs int8 activations (isa "avx512_vnni"): AVX512-VNNI and VBMI.
 bool vnni() {
@@ -938,6 +1155,7 @@ bool int8_activations(int64_t enable) {
 
 std::string isa() {
   switch (cpu_isa()) {
+    case Isa::kAmxBf16: return "amx_bf16";
     case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
     default: return "none";
@@ -1007,6 +1225,7 @@ TORCH_LIBRARY(pagedllm_panel, m) {
         "Tensor",
         &quant_panel_rows);
   m.def("available() -> bool", &available);
+  m.def("amx_blocks() -> int", &amx_blocks);
   m.def("vnni() -> bool", &vnni);
   m.def("int8_activations(int enable) -> bool", &int8_activations);
   m.def("isa() -> str", &isa);
