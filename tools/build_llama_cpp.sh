@@ -9,7 +9,11 @@
 #   tools/build_llama_cpp.sh OUT_DIR --convert-only HF_DIR
 #
 # Run it under `nice -n 10`; on 2 cores the build takes 15-25 minutes. The binaries are static
-# (BUILD_SHARED_LIBS=OFF) and built for the host CPU (GGML_NATIVE=ON).
+# (BUILD_SHARED_LIBS=OFF) and built for the host CPU (GGML_NATIVE=ON); LLAMA_CMAKE_ARGS adds
+# cmake options, e.g. on a CPU with AMX, where the native build's AMX path for Q4_0 / Q4_1 /
+# Q8_0 weights crashed on any prompt of 2 or more tokens (llama-cpp-python 0.3.36's sources):
+#   LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+#     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" tools/build_llama_cpp.sh OUT_DIR
 set -euo pipefail
 
 usage() { sed -n '2,12p' "$0"; exit 2; }
@@ -45,7 +49,8 @@ if [[ $BUILD -eq 1 ]]; then
   GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
   cmake -S "$LLAMA" -B "$OUT/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
+    ${LLAMA_CMAKE_ARGS:-}
   cmake --build "$OUT/build" -j "$JOBS" --target llama-server llama-bench llama-batched-bench \
     llama-quantize
   for b in llama-server llama-bench llama-batched-bench llama-quantize; do
