@@ -667,7 +667,7 @@ def plot_real_model(results: dict, path: Path) -> None:
     series = [s for s in SERIES if any(r["series"] == s for r in rows)]
     colors = dict(zip(SERIES, ("tab:blue", "tab:cyan", "tab:orange")))
     width = 0.8 / len(series)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     panels = (("batch1_tok_s", "one user: decode tok/s"),
               ("serving_out_tok_s", f"serving: {results['workload']['serving'].split(',')[0]}, "
                "out tok/s"))  # fmt: skip
@@ -689,7 +689,7 @@ def plot_real_model(results: dict, path: Path) -> None:
                fontsize=8, frameon=False)  # fmt: skip
     loads = [results[k].removeprefix("load average ") for k in ("load_start", "load_end")]
     fig.suptitle(f"SmolLM2-135M-Instruct, same weights, on {results['cpu']} "
-                 f"({results['threads']} threads; {results['cpu_flags']})\n"
+                 f"({results['threads']} threads)\n{results['cpu_flags']}\n"
                  f"load average (1, 5, 15 min) {loads[0]} at the start, {loads[1]} at the end",
                  fontsize=9)  # fmt: skip
     fig.tight_layout(rect=(0, 0.05, 1, 1))
