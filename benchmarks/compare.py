@@ -253,9 +253,7 @@ def llama_bench(
             raise
         print(f"llama-bench failed ({e.returncode}) on {gguf.name} with a prompt or context; "
               "timing decode from an empty context", flush=True)  # fmt: skip
-        result = llama_bench(binary, gguf, threads, 0, out_len)
-        result["command"] = " ".join(llama_bench_command(binary, gguf, threads, 0, out_len))
-        return result
+        return llama_bench(binary, gguf, threads, 0, out_len)
     rows = json.loads(out)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     if prompt_len == 0:
@@ -737,15 +735,10 @@ def main() -> None:
         for gguf in args.gguf:
             slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)
             key = f"llama.cpp {gguf_format(gguf)}"
+            engine = Engine("llama.cpp", gguf_format(gguf), gguf, {})
             row[key], row[f"{key} command"] = serve_llama(
-                args.llama_server,
-                Engine("llama.cpp", gguf_format(gguf), gguf, {}),
-                reqs,
-                args.threads,
-                slots,
-                1024,
-                _llama_all,
-            )
+                args.llama_server, engine, reqs, args.threads, slots=slots, ctx=1024,
+                client=_llama_all)  # fmt: skip
             print(f"[{name}] {key}: {row['output_tokens'] / row[key]:.1f} out tok/s")
     results["batch"] = batch
 

@@ -92,7 +92,7 @@ def test_bf16_products_of_more_than_six_rows_run_on_amx_tiles():
                                rtol=8e-3, atol=0)  # fmt: skip
     packed = weight_only.in_panels(weight_only.quantize(torch.randn(96, 1536), 4, 32))
     before = panel_gemm.amx_blocks()
-    y = weight_only.panel_linear(x.new_zeros(20, 1536).normal_(), packed, None, None)
+    y = weight_only.panel_linear(torch.randn(20, 1536).to(torch.bfloat16), packed, None, None)
     assert panel_gemm.amx_blocks() > before
     assert y.shape == (20, 96)
 

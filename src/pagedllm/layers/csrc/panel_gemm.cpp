@@ -104,7 +104,6 @@ struct Tile {
   const T* w_end;    // one row tile (streaming): the end of the thread's panels, else null
 };
 
-
 #if PAGEDLLM_X86 && defined(__GNUC__)
 
 // prefetcht1 as an asm statement: GCC 12 drops _mm_prefetch / __builtin_prefetch (they have no
@@ -957,7 +956,7 @@ Isa isa_from_name(const std::string& name) {
 
 const char* isa_needs(Isa isa) {
   switch (isa) {
-    case Isa::kAmxBf16: return "AMX-BF16 (or the kernel its tile state)";
+    case Isa::kAmxBf16: return "AMX-BF16 (or the tile state from the kernel)";
     case Isa::kAvx512Bf16: return "AVX512-BF16";
     default: return "AVX-512F";
   }
