@@ -362,9 +362,10 @@ struct NextSlots {
 
   // prefetcht1 as an asm statement: GCC 12's dead-code elimination drops __builtin_prefetch
   // in this loop (it has no result), and the tile then waits on memory (measured 1.5x slower).
+  // The address in a register, not a memory operand the compiler must keep stores ahead of.
   static void to_l2(const char* line) {
 #if HAVE_BF16_DOT
-    asm volatile("prefetcht1 %0" : : "m"(*line));
+    asm volatile("prefetcht1 (%0)" : : "r"(line));
 #else
     __builtin_prefetch(line, 0, 2);
 #endif

@@ -108,9 +108,12 @@ struct Tile {
 
 // prefetcht1 as an asm statement: GCC 12 drops _mm_prefetch / __builtin_prefetch (they have no
 // result) from inline helpers like the ones below, and the kernels then ran with no software
-// prefetch at all (tests/layers/test_panel_gemm.py checks the built library for it).
+// prefetch at all. The address goes in a register: as a memory operand ("m") the compiler
+// took the asm for a read of memory that might be the tile's sums and stored all of them on
+// every step of K (fp32 panels at 32-64 rows ran at half of oneDNN's rate). The tests check
+// the built library for both.
 inline void to_l2(const void* line) {
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(line)));
+  asm volatile("prefetcht1 (%0)" : : "r"(line));
 }
 
 // A row tile that streams the weight (up to kMaxMR rows: each weight read once) requests each
