@@ -857,16 +857,19 @@ void quant_rows_small(const Quant& q, const SmallRows& x, const float* bias, T* 
 }
 
 // Panels [p0, p1) of y for m <= kSmallRows kernel rows: per stored group of 4 panels, tiles of
-// up to 4 rows (the group's codes stay in cache for the second tile).
+// up to 4 rows (the group's codes stay in cache for the next tile), or 2 for int8 codes
+// unpacked to fp32: at 3-4 rows that kernel runs short of vector registers and keeps its sums
+// on the stack (SmolLM2's 120 int8 products at 3 / 4 / 6 rows of fp32 x: 9.4 / 11.8 / 14.6 ->
+// 7.3 / 7.5 / 10.3 ms; int4's measured alike either way, 6.4-10.1 ms).
 template <typename T>
 void quant_panels_small(const Quant& q, int64_t m, const SmallRows& x, const float* bias, T* y,
                         int64_t p0, int64_t p1) {
-  const int64_t n = q.n;
+  const int64_t n = q.n, tile_rows = x.words == nullptr && !q.int4 ? 2 : 4;
   stored_groups(p0, p1, [&](int64_t p, int nr) {
-    for (int64_t r = 0; r < m; r += 4) {
+    for (int64_t r = 0; r < m; r += tile_rows) {
       const SmallRows xr = x.at(r);
       T* yr = y + r / x.parts * n;
-      switch (std::min<int64_t>(4, m - r)) {
+      switch (std::min<int64_t>(tile_rows, m - r)) {
         case 1: quant_rows_small<T, 1>(q, xr, bias, yr, n, p, nr); break;
         case 2: quant_rows_small<T, 2>(q, xr, bias, yr, n, p, nr); break;
         case 3: quant_rows_small<T, 3>(q, xr, bias, yr, n, p, nr); break;
