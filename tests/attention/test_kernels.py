@@ -209,6 +209,31 @@ def test_bf16_dot_path_matches_reference_and_the_vector_path(head_dim, block_siz
     assert differ  # two paths, not one taken twice (one key a row gives V on both)
 
 
+def test_a_short_last_tile_computes_its_keys_padded_to_16_not_a_whole_tile():
+    """A decoding sequence of 70 keys on one thread (3 kv heads: 3 items, too few keys to
+    split): each item's keys are tiles of up to 64 (32 or 128 where the L1 cache says so), the
+    last holding 6 keys; the vdpbf16ps path scores 80 keys an item (64 + 16), not 128, and the
+    output is the reference's."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    if not cpu_has_bf16_dot():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = random_case(random.Random(70), (torch.bfloat16,), (64,))
+        case.q_lens, case.k_lens, case.window = [1], [70], (-1, -1)
+        case.heads, case.kv_heads, case.causal = 9, 3, True
+        before, merges = cpu_kernels.tile_keys(), cpu_kernels.split_merges()
+        out, lse, want, want_lse = run_case("cpu", case, 0, block_size=16)
+        assert cpu_kernels.split_merges() == merges
+        assert cpu_kernels.tile_keys() - before == 3 * 80
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _shared_prefix_batch(rng, members, prefix_blocks, others, q_lens, window, block_size=16):
     """`members` sequences whose tables start with the same `prefix_blocks` blocks, then their
     own blocks; `others` with blocks of their own. Returns the kernel's and the reference's

@@ -58,6 +58,13 @@ def shared_prefix_items() -> int:
     return int(torch.ops.pagedllm_attention.shared_prefix_items())
 
 
+def tile_keys() -> int:
+    """Keys the vdpbf16ps path has scored so far in this process, each tile's count padded
+    to a multiple of 16 (the keys a tile computes, masked beyond its valid ones). load() must
+    be True."""
+    return int(torch.ops.pagedllm_attention.tile_keys())
+
+
 def gemm_tiles() -> int:
     """bf16 key tiles scored as a small GEMM so far in this process (the vdpbf16ps path with
     many query rows a tile, prefill's: keys transposed once, V pairs interleaved once).

@@ -547,7 +547,7 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
 
 // Split groups merged by this process (split_merges(): what the tests read), and bf16 key
 // tiles that took the many-rows products (gemm_tiles()).
-std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0};
+std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
 // and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
@@ -971,12 +971,16 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, slot_bytes);
+    // A short tile (an item's last) is padded to 16 keys, not to a whole tile: decode items
+    // end on one most of the time, and a 64-key tile for a few keys was most of their work.
+    const int tile_pad = (n + 15) / 16 * 16;
+    padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
     for (int h = 0; h < H; ++h)
-      for (int c = 0; c < n_pad; ++c) {
-        w.krow[(size_t)h * n_pad + c] = kbase + koff[c] + h * p.k_head;
-        w.vrow[(size_t)h * n_pad + c] = vbase + voff[c] + h * p.v_head;
+      for (int c = 0; c < tile_pad; ++c) {
+        w.krow[(size_t)h * tile_pad + c] = kbase + koff[c] + h * p.k_head;
+        w.vrow[(size_t)h * tile_pad + c] = vbase + voff[c] + h * p.v_head;
       }
-    dot_tile(p, w, H, rows, j0, n, n_pad, next);
+    dot_tile(p, w, H, rows, j0, n, tile_pad, next);
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
   }
@@ -1249,6 +1253,7 @@ bool bf16_dot(int64_t enable) {
 int64_t split_merges() { return merged_groups.load(); }
 int64_t gemm_tiles() { return many_row_tiles.load(); }
 int64_t shared_prefix_items() { return shared_items.load(); }
+int64_t tile_keys() { return padded_keys.load(); }
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& cu_seqlens_q,
@@ -1335,4 +1340,5 @@ TORCH_LIBRARY(pagedllm_attention, m) {
   m.def("split_merges() -> int", &split_merges);
   m.def("gemm_tiles() -> int", &gemm_tiles);
   m.def("shared_prefix_items() -> int", &shared_prefix_items);
+  m.def("tile_keys() -> int", &tile_keys);
 }
