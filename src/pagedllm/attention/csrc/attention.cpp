@@ -545,8 +545,9 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
   w.first = false;
 }
 
-// Split groups merged by this process (split_merges(): what the tests read), and bf16 key
-// tiles that took the many-rows products (gemm_tiles()).
+// Split groups merged by this process (split_merges(): what the tests read), bf16 key tiles
+// that took the many-rows products (gemm_tiles()), shared-prefix items (shared_prefix_items())
+// and the keys the bf16-dot tiles computed, padded (tile_keys()).
 std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
