@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(
 
 # The bf16 paths this CPU runs: AMX tiles beyond 6 rows where it has AMX-BF16, the dot-product
 # instruction where it has AVX512-BF16, and the two-FMA path every AVX-512 CPU runs.
+ISAS = ["avx512", "avx512_bf16", "amx_bf16"]  # each CPU runs its own and those before it
 AMX = panel_gemm.isa() == "amx_bf16"
-BF16_ISAS = ["avx512"] + (["avx512_bf16", "amx_bf16"] if AMX else [])
-BF16_ISAS += ["avx512_bf16"] if panel_gemm.isa() == "avx512_bf16" else []
+BF16_ISAS = ISAS[: ISAS.index(panel_gemm.isa()) + 1] if panel_gemm.isa() in ISAS else []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -316,6 +316,12 @@ def test_residual_int8_activation_products_keep_fp32_accuracy(dtype, bits, n, k,
         assert not fp32_path_equal
 
 
+def panel_library() -> str:
+    """The path of the built panel GEMM library, loaded."""
+    panel_gemm.load()
+    return next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
+
+
 def kernel_bodies(library: str, name: str) -> dict[str, str]:
     """The disassembly of each function in `library` whose demangled name contains `name`."""
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library],
@@ -334,8 +340,7 @@ def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
     software prefetch (prefetcht1) in the built library. GCC 12 once dropped the intrinsic
     from an inline helper without a word, which no product test can see: the products were
     right, only slower."""
-    panel_gemm.load()
-    library = next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
+    library = panel_library()
     kernels = (
         "quant_tile_small<1,",
         "quant_tile_small<2,",
@@ -383,8 +388,7 @@ def test_the_micro_kernels_keep_their_sums_in_registers_across_the_k_loop():
     the address now goes in a register. Like the prefetch, only the library shows it. (Left
     out: the kernels that run short of the 32 vector registers by design, the two-FMA bf16
     fallback and the fp32 unpacking of codes at 3-4 rows.)"""
-    panel_gemm.load()
-    library = next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
+    library = panel_library()
     kernels = ("tile_f32<", "tile_bf16_dp<", "quant_tile_small<1,", "quant_tile_small<2,",
                "quant_tile_vnni<")  # fmt: skip
     for kernel in kernels:
