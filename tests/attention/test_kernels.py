@@ -124,7 +124,8 @@ def test_few_decode_sequences_split_their_keys_into_merged_chunks(impl, dtype, t
     """One or two decoding sequences (fewer than 4 items a thread): each (sequence, kv head)'s
     keys in chunks, merged by the last to finish; out and lse as the reference's, including a
     window that leaves the early chunks no key to see (weight 0 in the merge). Two sequences
-    on one thread make 6 items: not split."""
+    on one thread make 6 items: not split. Fewer sequences than threads: one split group a
+    sequence, all its kv heads in each chunk."""
     if impl == "torch":
         pytest.skip("the C++ kernel's own work split")
     saved = torch.get_num_threads()
@@ -138,9 +139,13 @@ def test_few_decode_sequences_split_their_keys_into_merged_chunks(impl, dtype, t
             case.heads, case.kv_heads, case.causal = 9, 3, True
             before = cpu_kernels.split_merges()
             out, lse, want, want_lse = run_case(impl, case, seed, block_size=16)
-            # (sequence, kv head) items: split when fewer than 4 a thread, every one of them
+            # (sequence, kv head) items: split when fewer than 4 a thread, every one of them;
+            # (sequence, all kv heads) when sequences are fewer than threads
             items = 3 * len(k_lens)
-            assert cpu_kernels.split_merges() - before == (items if items < 4 * threads else 0)
+            groups = items if items < 4 * threads else 0
+            if len(k_lens) < threads:
+                groups = len(k_lens)
+            assert cpu_kernels.split_merges() - before == groups
             torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
             torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
     finally:

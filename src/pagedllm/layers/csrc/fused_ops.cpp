@@ -254,21 +254,27 @@ void rotary_impl(const at::Tensor& positions, const at::Tensor& q, const at::Ten
   });
 }
 
-// Neox-layout rotary embedding of q [T, Hq, D] and k [T, Hk, D] (rows may be strided views
-// of a fused qkv projection) into new contiguous tensors, with cos / sin tables [P, D].
-std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, const at::Tensor& q,
-                                               const at::Tensor& k, const at::Tensor& cos,
-                                               const at::Tensor& sin) {
+// rotary_neox into q_out / k_out (contiguous, of q's and k's shapes).
+void rotary_into(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q_out,
+                 at::Tensor& k_out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2), "q, k: [T, H, D]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "head rows must be contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
               "cos / sin: [P, D]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
-  at::Tensor q_out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  at::Tensor k_out = at::empty({k.size(0), k.size(1), k.size(2)}, k.options());
   with_float_type(q.scalar_type(), "rotary_neox", [&](auto t) {
     rotary_impl<decltype(t)>(positions, q, k, q_out, k_out, cos, sin);
   });
+}
+
+// Neox-layout rotary embedding of q [T, Hq, D] and k [T, Hk, D] (rows may be strided views
+// of a fused qkv projection) into new contiguous tensors, with cos / sin tables [P, D].
+std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, const at::Tensor& q,
+                                               const at::Tensor& k, const at::Tensor& cos,
+                                               const at::Tensor& sin) {
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  rotary_into(positions, q, k, cos, sin, q_out, k_out);
   return {q_out, k_out};
 }
 
@@ -292,6 +298,35 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+#if BF16_VECTORS
+// fast_exp on 16 lanes: the same operations in the same order (no FMA), so the same bits.
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// silu(gate) * up for 16 bf16 features from i on, rounded where the scalar loop rounds.
+inline void silu_mul16_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* y) {
+  const __m512 g = bf16x16_load(gate);
+  const __m512 e = fast_exp16(  // -g, as a sign flip
+      _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+  const __m512 act = bf16x16_rounded(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      bf16x16_round(_mm512_mul_ps(act, bf16x16_load(up))));
+}
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = out.size(0), dim = out.size(1);
@@ -303,7 +338,12 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const T* gate = xp + r * xs;
       const T* up = gate + dim;
       T* y = op + r * dim;
-      for (int64_t i = 0; i < dim; ++i) {
+      int64_t i = 0;
+#if BF16_VECTORS
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (; i + 16 <= dim; i += 16) silu_mul16_bf16(gate + i, up + i, y + i);
+#endif
+      for (; i < dim; ++i) {
         const float g = static_cast<float>(gate[i]);
         const T act = static_cast<T>(g / (1.f + fast_exp(-g)));  // rounded as F.silu's output
         y[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
@@ -599,6 +639,31 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return rms_norm(rows, weight, eps, offset).view({x.size(0), x.size(1), x.size(2)});
 }
 
+// silu(gate) * up or gelu_tanh(gate) * up of x [T, 2 * d] into out [T, d].
+void gated_into(const at::Tensor& x, bool gelu, at::Tensor& out) {
+  with_float_type(x.scalar_type(), "decoder_layers", [&](auto t) {
+    if (gelu)
+      gelu_tanh_and_mul_impl<decltype(t)>(x, out);
+    else
+      silu_and_mul_impl<decltype(t)>(x, out);
+  });
+}
+
+// A [T, H, D] view of columns [first, first + H * D) of the rows of x [T, N] (q, k or v in a
+// fused qkv projection's output), made without the dispatcher: a decode step makes three a
+// layer, and narrow + view cost about 1 us each.
+at::Tensor heads_of(const at::Tensor& x, int64_t first, int64_t heads, int64_t dim) {
+  char* base = static_cast<char*>(x.data_ptr()) + first * x.element_size();
+  return at::from_blob(base, {x.size(0), heads, dim}, {x.stride(0), dim, 1}, x.options());
+}
+
+// A buffer of the given shape: `buf` again where it has it, else a new one (the decoder's
+// per-layer outputs that the next layer may overwrite, allocated once a step).
+at::Tensor& reuse(at::Tensor& buf, at::IntArrayRef shape, const at::TensorOptions& options) {
+  if (!buf.defined() || buf.sizes() != shape) buf = at::empty(shape, options);
+  return buf;
+}
+
 // A model's decoder-layer operands, handed to C++ once when the fused decoder is built: a step
 // then passes one handle, where the list of SmolLM2's 30 layers (780 optional tensors) was
 // converted from Python at every step.
@@ -641,6 +706,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   }
   at::Tensor in_w, post_attn_w, pre_mlp_w, post_mlp_w, q_w, k_w, cos, sin, key_cache,
       value_cache;
+  at::Tensor q_buf, k_buf, attn_buf, act_buf;  // each layer's, reused by the next
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t t0 = l * kTensorsPerLayer;
     const int64_t* in = ints.data() + l * kIntsPerLayer;
@@ -662,16 +728,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     add_rms_norm(hidden, residual, in_w, eps, offset);
     const at::Tensor qkv = linear(hidden, tensors, t0 + 10, in[6]);
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+    at::Tensor q = heads_of(qkv, 0, heads, dim), k = heads_of(qkv, q_size, kv_heads, dim);
+    const at::Tensor v = heads_of(qkv, q_size + kv_size, kv_heads, dim);
     if (q_w.defined()) {
       q = head_norm(q, q_w, eps, offset);
       k = head_norm(k, k_w, eps, offset);
     }
-    auto [q_rot, k_rot] = rotary_neox(positions, q, k, cos, sin);
+    at::Tensor& q_rot = reuse(q_buf, {tokens, heads, dim}, qkv.options());
+    at::Tensor& k_rot = reuse(k_buf, {tokens, kv_heads, dim}, qkv.options());
+    rotary_into(positions, q, k, cos, sin, q_rot, k_rot);
     write_kv_cache(k_rot, v, key_cache, value_cache, slot_mapping);
-    const at::Tensor attn = at::empty_like(q_rot);
+    at::Tensor& attn = reuse(attn_buf, {tokens, heads, dim}, qkv.options());
     attention_op().call(q_rot, key_cache, value_cache, attn, cu_seqlens_q, seq_lens_k,
                         c10::nullopt, block_table, c10::nullopt, fl[1], in[3], 0, in[4], in[5]);
     hidden = linear(attn.view({tokens, q_size}), tensors, t0 + 14, in[7]);
@@ -679,7 +746,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     // MLP stage: norm, gate_up, activation * up, down, norm
     add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
     const at::Tensor gate_up = linear(hidden, tensors, t0 + 18, in[8]);
-    const at::Tensor act = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+    at::Tensor& act = reuse(act_buf, {tokens, gate_up.size(1) / 2}, gate_up.options());
+    gated_into(gate_up, gelu, act);
     hidden = linear(act, tensors, t0 + 22, in[9]);
     if (post_mlp_w.defined()) hidden = rms_norm(hidden, post_mlp_w, eps, offset);
   }
