@@ -59,9 +59,9 @@ def shared_prefix_items() -> int:
 
 
 def tile_keys() -> int:
-    """Keys the vdpbf16ps path has scored so far in this process, each tile's count padded
-    to a multiple of 16 (the keys a tile computes, masked beyond its valid ones). load() must
-    be True."""
+    """Keys the kernel's tiles have scored so far in this process, each tile's count padded
+    to a multiple of 16 on the vdpbf16ps path, of 8 on the vector path (the keys a tile
+    computes, masked beyond its valid ones). load() must be True."""
     return int(torch.ops.pagedllm_attention.tile_keys())
 
 

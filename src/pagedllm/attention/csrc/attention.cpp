@@ -547,7 +547,7 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
 
 // Split groups merged by this process (split_merges(): what the tests read), bf16 key tiles
 // that took the many-rows products (gemm_tiles()), shared-prefix items (shared_prefix_items())
-// and the keys the bf16-dot tiles computed, padded (tile_keys()).
+// and the keys the tiles computed, padded (tile_keys()).
 std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
@@ -1030,9 +1030,12 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, row_bytes);
+    // A short tile (an item's last) is scored padded to 8 keys, not to a whole tile.
+    const int tile_pad = std::min(n_pad, (n + 7) / 8 * 8);
+    padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
     for (int h = 0; h < H; ++h) {
       const int kv = item.kv0 + h;
-      for (int c = 0; c < n_pad; ++c) {
+      for (int c = 0; c < tile_pad; ++c) {
         const T* krow = kbase + koff[c] + kv * p.k_head;
         const T* vrow = vbase + voff[c] + kv * p.v_head;
         if (convert) {
@@ -1050,9 +1053,9 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
       float* o = w.o.data() + off * D;
       float *m = w.m.data() + off, *l = w.l.data() + off;
       if (convert)
-        tile_step<T, float>(p, w, rows, j0, n, n_pad, q, o, m, l, next, h, H);
+        tile_step<T, float>(p, w, rows, j0, n, tile_pad, q, o, m, l, next, h, H);
       else
-        tile_step<T, T>(p, w, rows, j0, n, n_pad, q, o, m, l, next, h, H);
+        tile_step<T, T>(p, w, rows, j0, n, tile_pad, q, o, m, l, next, h, H);
     }
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
