@@ -214,47 +214,26 @@ def test_bf16_dot_path_matches_reference_and_the_vector_path(head_dim, block_siz
     assert differ  # two paths, not one taken twice (one key a row gives V on both)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_short_last_tile_on_the_vector_path_computes_its_keys_padded_to_8(dtype):
-    """The same decoding sequence of 70 keys in fp32 / fp16 (the vector path): an item scores
-    72 keys (64 + 8), not 128, and the output is the reference's."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_short_last_tile_computes_its_keys_padded_not_a_whole_tile(dtype):
+    """A decoding sequence of 70 keys on one thread (3 kv heads: 3 items, too few keys to
+    split): each item's keys are tiles of up to 64 (32 or 128 where the L1 cache says so), the
+    last holding 6 keys. The vdpbf16ps path (bf16 with AVX512-BF16) scores 80 keys an item
+    (64 + 16), the vector path 72 (64 + 8), not 128; the output is the reference's."""
     if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    padded = 80 if dtype == torch.bfloat16 and cpu_has_bf16_dot() else 72
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         case = random_case(random.Random(70), (dtype,), (64,))
         case.q_lens, case.k_lens, case.window = [1], [70], (-1, -1)
         case.heads, case.kv_heads, case.causal = 9, 3, True
-        before = cpu_kernels.tile_keys()
-        out, lse, want, want_lse = run_case("cpu", case, 0, block_size=16)
-        assert cpu_kernels.tile_keys() - before == 3 * 72
-        torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
-        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
-    finally:
-        torch.set_num_threads(saved)
-
-
-def test_a_short_last_tile_computes_its_keys_padded_to_16_not_a_whole_tile():
-    """A decoding sequence of 70 keys on one thread (3 kv heads: 3 items, too few keys to
-    split): each item's keys are tiles of up to 64 (32 or 128 where the L1 cache says so), the
-    last holding 6 keys; the vdpbf16ps path scores 80 keys an item (64 + 16), not 128, and the
-    output is the reference's."""
-    if not cpu_kernels.load():
-        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
-    if not cpu_has_bf16_dot():
-        pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        case = random_case(random.Random(70), (torch.bfloat16,), (64,))
-        case.q_lens, case.k_lens, case.window = [1], [70], (-1, -1)
-        case.heads, case.kv_heads, case.causal = 9, 3, True
         before, merges = cpu_kernels.tile_keys(), cpu_kernels.split_merges()
         out, lse, want, want_lse = run_case("cpu", case, 0, block_size=16)
         assert cpu_kernels.split_merges() == merges
-        assert cpu_kernels.tile_keys() - before == 3 * 80
-        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+        assert cpu_kernels.tile_keys() - before == 3 * padded
+        torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
     finally:
         torch.set_num_threads(saved)

@@ -1031,7 +1031,7 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, row_bytes);
     // A short tile (an item's last) is scored padded to 8 keys, not to a whole tile.
-    const int tile_pad = std::min(n_pad, (n + 7) / 8 * 8);
+    const int tile_pad = (n + 7) / 8 * 8;
     padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
     for (int h = 0; h < H; ++h) {
       const int kv = item.kv0 + h;

@@ -352,16 +352,6 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
-// silu(gate) * up of a merged [T, 2 * d] projection -> [T, d].
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "x: [T, 2 * d]");
-  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  with_float_type(x.scalar_type(), "silu_and_mul", [&](auto t) {
-    silu_and_mul_impl<decltype(t)>(x, out);
-  });
-  return out;
-}
-
 template <typename T>
 void gelu_tanh_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = out.size(0), dim = out.size(1);
@@ -386,15 +376,29 @@ void gelu_tanh_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
-// gelu_tanh(gate) * up of a merged [T, 2 * d] projection -> [T, d] (GeGLU, Gemma).
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+// silu(gate) * up or gelu_tanh(gate) * up of x [T, 2 * d] into out [T, d]; op names the
+// caller in a dtype error.
+void gated_into(const at::Tensor& x, bool gelu, at::Tensor& out, const char* op) {
+  with_float_type(x.scalar_type(), op, [&](auto t) {
+    if (gelu)
+      gelu_tanh_and_mul_impl<decltype(t)>(x, out);
+    else
+      silu_and_mul_impl<decltype(t)>(x, out);
+  });
+}
+
+at::Tensor gated(const at::Tensor& x, bool gelu, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "x: [T, 2 * d]");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  with_float_type(x.scalar_type(), "gelu_tanh_and_mul", [&](auto t) {
-    gelu_tanh_and_mul_impl<decltype(t)>(x, out);
-  });
+  gated_into(x, gelu, out, op);
   return out;
 }
+
+// silu(gate) * up of a merged [T, 2 * d] projection -> [T, d].
+at::Tensor silu_and_mul(const at::Tensor& x) { return gated(x, false, "silu_and_mul"); }
+
+// gelu_tanh(gate) * up of a merged [T, 2 * d] projection -> [T, d] (GeGLU, Gemma).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return gated(x, true, "gelu_tanh_and_mul"); }
 
 // ---- matrix-vector products for a few rows (decode) ----------------------------------------
 // y[M, N] = x[M, K] W[N, K]^T (+ bias) for M <= kGemvMaxRows, float32 or bfloat16 with float32
@@ -639,16 +643,6 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return rms_norm(rows, weight, eps, offset).view({x.size(0), x.size(1), x.size(2)});
 }
 
-// silu(gate) * up or gelu_tanh(gate) * up of x [T, 2 * d] into out [T, d].
-void gated_into(const at::Tensor& x, bool gelu, at::Tensor& out) {
-  with_float_type(x.scalar_type(), "decoder_layers", [&](auto t) {
-    if (gelu)
-      gelu_tanh_and_mul_impl<decltype(t)>(x, out);
-    else
-      silu_and_mul_impl<decltype(t)>(x, out);
-  });
-}
-
 // A [T, H, D] view of columns [first, first + H * D) of the rows of x [T, N] (q, k or v in a
 // fused qkv projection's output), made without the dispatcher: a decode step makes three a
 // layer, and narrow + view cost about 1 us each.
@@ -747,7 +741,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
     const at::Tensor gate_up = linear(hidden, tensors, t0 + 18, in[8]);
     at::Tensor& act = reuse(act_buf, {tokens, gate_up.size(1) / 2}, gate_up.options());
-    gated_into(gate_up, gelu, act);
+    gated_into(gate_up, gelu, act, "decoder_layers");
     hidden = linear(act, tensors, t0 + 22, in[9]);
     if (post_mlp_w.defined()) hidden = rms_norm(hidden, post_mlp_w, eps, offset);
   }
