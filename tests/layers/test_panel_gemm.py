@@ -70,6 +70,45 @@ def test_products_match_float64_at_every_row_count(dtype, isa, tol, n, k, rows):
         assert (y.double() - want).abs().max() <= tol * want.abs().max()
 
 
+def test_a_thread_done_with_its_share_takes_chunks_from_the_far_end_of_another():
+    """balanced_for, through its trace op: thread 0 is held in its first chunk; thread 1
+    runs its own share in order, then thread 0's remaining chunks from the back."""
+    trace = torch.ops.pagedllm_panel.balanced_split_trace
+    # (thread, place in its order) per chunk; shares [0, 3) / [3, 6), then [0, 3) / [3, 7)
+    assert trace(6).tolist() == [[0, 0], [1, 4], [1, 3], [1, 0], [1, 1], [1, 2]]
+    assert trace(7).tolist() == [[0, 0], [1, 5], [1, 4], [1, 0], [1, 1], [1, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_streaming_products_give_the_same_bits_on_any_number_of_threads(threads):
+    """The few-row products (float panels up to 6 rows, quantized ones up to 8) hand chunks of
+    panels to threads as they finish: whichever thread computes an output, its sums run in
+    the same order. 37 and 19 panels: shares and chunks that do not divide evenly."""
+    from pagedllm.layers import weight_only
+
+    torch.manual_seed(threads)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        panels = panel_gemm.pack(torch.randn(37 * 16, 320).to(dtype))
+        cases += [(lambda x, p=panels: panel_gemm.linear(x, p, None), dtype, 320, rows)
+                  for rows in (1, 6)]  # fmt: skip
+    for bits in (4, 8):
+        packed = weight_only.in_panels(weight_only.quantize(torch.randn(19 * 16, 576), bits, 32))
+        cases += [(lambda x, p=packed: weight_only.panel_linear(x, p, None), dtype, 576, rows)
+                  for dtype in (torch.float32, torch.bfloat16) for rows in (1, 8)]  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        for product, dtype, k, rows in cases:
+            for _ in range(3):  # a new x each time: no output could pass as an earlier one
+                x = torch.randn(rows, k).to(dtype)
+                torch.set_num_threads(1)
+                want = product(x)
+                torch.set_num_threads(threads)
+                assert torch.equal(product(x), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU (or no tile state from the kernel)")
 def test_bf16_products_of_more_than_six_rows_run_on_amx_tiles():
     """Beyond 6 rows a bf16 product (float panels, or a quantized weight's dequantized slices)

@@ -22,10 +22,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -53,6 +55,52 @@ constexpr int64_t kSliceBytes = 192 << 10;  // a panel group's K slice: stays in
 int64_t slice_steps(int64_t m, int64_t steps, int64_t width, int64_t elem) {
   if (m <= kMaxMR) return steps;
   return std::max<int64_t>(16, kSliceBytes / (kMaxNR * width * elem));
+}
+
+// fn(p0, p1) over [0, n) in chunks of `chunk`, spread over the threads as they finish: each
+// thread walks its own equal share of the chunks in order (its prefetches run ahead into its
+// next chunk), then takes chunks from the far end of a share another thread has not finished.
+// A product that streams its weight at a few rows ends when its slower thread does, and the
+// two cores of a shared guest read at different rates from call to call: SmolLM2's one-row
+// Q4_1 products with an equal split, a 2-core Xeon guest, timed per thread in a development
+// build: the thread that finished first waited 28-31% of the products' time for the other.
+struct alignas(64) Share {
+  std::atomic<uint64_t> ends;  // (next chunk from the front) << 32 | (one past the last)
+};
+
+// Claims a chunk of `share`: the front one for its owner, the back one for another thread.
+inline bool claim(Share& share, bool owner, int64_t& chunk) {
+  uint64_t ends = share.ends.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t front = ends >> 32, back = ends & 0xffffffffu;
+    if (front >= back) return false;
+    const uint64_t next = owner ? ends + (uint64_t(1) << 32) : ends - 1;
+    if (share.ends.compare_exchange_weak(ends, next, std::memory_order_relaxed)) {
+      chunk = int64_t(owner ? front : back - 1);
+      return true;
+    }
+  }
+}
+
+template <typename F>
+void balanced_for(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) fn(int64_t(0), n);
+    return;
+  }
+  std::vector<Share> shares(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    shares[t].ends.store(uint64_t(chunks * t / threads) << 32 | uint64_t(chunks * (t + 1) / threads),
+                         std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < threads; ++i) {
+        Share& share = shares[(t + i) % threads];
+        for (int64_t c; claim(share, i == 0, c);) fn(c * chunk, std::min(n, (c + 1) * chunk));
+      }
+  });
 }
 
 // kAmxBf16: AVX512-BF16 and AMX-BF16 tiles (bfloat16 products of more than kMaxMR rows).
@@ -1016,12 +1064,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     });
     return y;
   }
-  at::parallel_for(0, w.size(0), grain, [&](int64_t p0, int64_t p1) {
+  const auto run = [&](int64_t p0, int64_t p1) {
     if (x.scalar_type() == at::kFloat)
       panels<float>(x, w, bp, y, nullptr, false, p0, p1);
     else
       panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1);
-  });
+  };
+  // One row tile streams the weight: chunks of whole micro-kernel groups (kMaxNR panels; a
+  // shorter run loads x again) spread as the threads finish. More rows: equal shares.
+  if (m <= kMaxMR)
+    balanced_for(w.size(0), (grain + kMaxNR - 1) / kMaxNR * kMaxNR, run);
+  else
+    at::parallel_for(0, w.size(0), grain, run);
 #endif
   return y;
 }
@@ -1098,8 +1152,9 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
       rows.words = words.data(), rows.sx = sx.data(), rows.parts = parts;
       if (bits == 4) rows.xsum = qsum.data();
     }
-    const int64_t small_grain = std::max<int64_t>(1, (16 << 10) / panel_bytes);
-    at::parallel_for(0, codes.size(0), small_grain, [&](int64_t p0, int64_t p1) {
+    // chunks of whole stored groups of about 16 KB of codes
+    const int64_t small_chunk = kMaxNR * std::max<int64_t>(1, (16 << 10) / (kMaxNR * panel_bytes));
+    balanced_for(codes.size(0), small_chunk, [&](int64_t p0, int64_t p1) {
       if (bf16)
         quant_panels_small<at::BFloat16>(q, kernel_rows, rows, bp, y.data_ptr<at::BFloat16>(),
                                          p0, p1);
@@ -1126,6 +1181,37 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
 #else
   TORCH_CHECK(false, "quant_panel_linear: panels need an x86-64 build");
 #endif
+}
+
+// balanced_for's split made visible (tests): `chunks` chunks over two threads, thread 0
+// held in its first chunk until thread 1 has run every other chunk (each wait gives up after
+// 10 s). Returns, per chunk, the thread that ran it and its place in that thread's order.
+at::Tensor balanced_split_trace(int64_t chunks) {
+  TORCH_CHECK(chunks >= 2, "balanced_split_trace: at least 2 chunks");
+  at::Tensor out = at::full({chunks, 2}, -1, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> held{false};
+  int64_t order[2] = {0, 0};
+  const auto wait_for = [](const auto& ready) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!ready() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  };
+  const int threads_before = at::get_num_threads();
+  at::set_num_threads(2);
+  balanced_for(chunks, 1, [&](int64_t c, int64_t) {
+    const int t = at::get_thread_num();
+    o[2 * c] = t, o[2 * c + 1] = order[t]++;
+    if (t == 0 && c == 0) {
+      held.store(true);
+      wait_for([&] { return done.load() == chunks - 1; });
+    } else {
+      wait_for([&] { return held.load(); });  // chunk 0 stays thread 0's
+      done.fetch_add(1);
+    }
+  });
+  at::set_num_threads(threads_before);
+  return out;
 }
 
 bool available() { return cpu_isa() != Isa::kNone; }
@@ -1234,4 +1320,5 @@ TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("vnni() -> bool", &vnni);
   m.def("int8_activations(int enable) -> bool", &int8_activations);
   m.def("isa() -> str", &isa);
+  m.def("balanced_split_trace(int chunks) -> Tensor", &balanced_split_trace);
 }
