@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,7 @@ class ModelInput:
     verify_drafts: list[list[int]] = field(default_factory=list)  # their drafts
     verify_rows: list[int] = field(default_factory=list)  # len(drafts) + 1 logits rows each
     lora_requests: list[Any] | None = None  # each sequence's LoRARequest (None: base; LoRA on)
+    logits_all_rows: bool = False  # logits_indices is every token row in order (a decode step)
 
 
 @dataclass
@@ -347,18 +349,23 @@ class ModelRunner:
     def prepare_input(self, out: SchedulerOutput) -> ModelInput:
         bs = self.block_size
         ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         query_lens, seq_lens, logits_idx, sample_seqs, sample_rows, plp = [], [], [], [], [], []
         verify_seqs, verify_drafts, verify_rows = [], [], []
         for item in out.scheduled:
             seq, n, drafts = item.seq, item.num_new_tokens, item.spec_token_ids
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n - len(drafts)])
-            ids.extend(drafts)
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(_slots(seq.block_table, pos, bs))
+            if n == 1 and not drafts:  # a decoding sequence: no arrays for one token
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start : start + n - len(drafts)])
+                ids.extend(drafts)
+                pos = np.arange(start, start + n)
+                positions.extend(pos.tolist())
+                slots.extend(_slots(seq.block_table, pos, bs).tolist())
             first = len(ids) - n
             if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 count = min(n, seq.num_prompt_tokens - start)
@@ -376,24 +383,23 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
         tables = _padded_tables([item.seq.block_table for item in out.scheduled])
-        dev = self.device
-        cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu[1:])
+        on_device = self._on_device
+        cu_seqlens = [0, *accumulate(query_lens)]
         metadata = AttentionMetadata.paged(
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=on_device(torch.tensor(cu_seqlens, dtype=torch.int32)),
+            seq_lens=on_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=on_device(torch.from_numpy(tables)),
+            slot_mapping=on_device(torch.tensor(slots, dtype=torch.long)),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
         if self.kv_spec is not None and self.kv_spec.extra_groups:
-            metadata.groups = self._group_metadata(out, positions, metadata)
+            metadata.groups = self._group_metadata(out, metadata)
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            input_ids=on_device(torch.tensor(ids, dtype=torch.long)),
+            positions=on_device(torch.tensor(positions, dtype=torch.long)),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            logits_indices=on_device(torch.tensor(logits_idx, dtype=torch.long)),
             sample_seqs=sample_seqs,
             sample_rows=sample_rows,
             prompt_logprob_rows=plp,
@@ -402,15 +408,25 @@ class ModelRunner:
             verify_drafts=verify_drafts,
             verify_rows=verify_rows,
             lora_requests=self._lora_requests(out),
+            logits_all_rows=len(logits_idx) == len(ids),
         )
 
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor made by prepare_input, on the runner's device (as it is on the CPU)."""
+        return t if self.device.type == "cpu" else t.to(self.device)
+
     def _group_metadata(
-        self, out: SchedulerOutput, positions: list[np.ndarray], metadata: AttentionMetadata
+        self, out: SchedulerOutput, metadata: AttentionMetadata
     ) -> tuple[AttentionMetadata, ...]:
         """The step's metadata for KV cache groups 1..: the same batch over each group's
         block tables (seq.group_block_tables)."""
         assert self.kv_spec is not None
-        dev, bs = self.device, self.block_size
+        bs = self.block_size
+        starts = [item.seq.num_computed_tokens for item in out.scheduled]
+        positions = [
+            np.arange(start, start + item.num_new_tokens)
+            for start, item in zip(starts, out.scheduled)
+        ]
         result = []
         for g in range(len(self.kv_spec.extra_groups)):
             group_tables = [item.seq.group_block_tables[g] for item in out.scheduled]
@@ -420,9 +436,9 @@ class ModelRunner:
                     metadata,
                     batch=dataclasses.replace(
                         metadata.batch,
-                        block_table=torch.from_numpy(_padded_tables(group_tables)).to(dev),
+                        block_table=self._on_device(torch.from_numpy(_padded_tables(group_tables))),
                     ),
-                    slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+                    slot_mapping=self._on_device(torch.from_numpy(np.concatenate(slots))),
                 )
             )
         return tuple(result)
@@ -476,7 +492,8 @@ class ModelRunner:
         """Logits where needed, prompt logprobs, the sampled tokens and the next drafts."""
         if inp.logits_indices.numel() == 0:
             return ModelOutput({}, {}, {})
-        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
+        rows = hidden if inp.logits_all_rows else hidden[inp.logits_indices]
+        logits = self.model.compute_logits(rows).float()
         out = ModelOutput({}, {}, self._prompt_logprobs(inp, logits))
         if inp.sample_seqs:
             rows = logits
