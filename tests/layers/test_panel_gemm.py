@@ -80,10 +80,10 @@ def test_a_thread_done_with_its_share_takes_chunks_from_the_far_end_of_another()
 
 
 @pytest.mark.parametrize("threads", [2, 3, 4])
-def test_streaming_products_give_the_same_bits_on_any_number_of_threads(threads):
-    """The few-row products (float panels up to 6 rows, quantized ones up to 8) hand chunks of
-    panels to threads as they finish: whichever thread computes an output, its sums run in
-    the same order. 37 and 19 panels: shares and chunks that do not divide evenly."""
+def test_panel_products_give_the_same_bits_on_any_number_of_threads(threads):
+    """Every panel product hands chunks of panels to threads as they finish (few rows
+    streaming, many rows sliced or on AMX tiles): whichever thread computes an output, its
+    sums run in the same order. 37 and 19 panels: shares and chunks that do not divide evenly."""
     from pagedllm.layers import weight_only
 
     torch.manual_seed(threads)
@@ -91,11 +91,11 @@ def test_streaming_products_give_the_same_bits_on_any_number_of_threads(threads)
     for dtype in (torch.float32, torch.bfloat16):
         panels = panel_gemm.pack(torch.randn(37 * 16, 320).to(dtype))
         cases += [(lambda x, p=panels: panel_gemm.linear(x, p, None), dtype, 320, rows)
-                  for rows in (1, 6)]  # fmt: skip
+                  for rows in (1, 6, 40)]  # fmt: skip
     for bits in (4, 8):
         packed = weight_only.in_panels(weight_only.quantize(torch.randn(19 * 16, 576), bits, 32))
         cases += [(lambda x, p=packed: weight_only.panel_linear(x, p, None), dtype, 576, rows)
-                  for dtype in (torch.float32, torch.bfloat16) for rows in (1, 8)]  # fmt: skip
+                  for dtype in (torch.float32, torch.bfloat16) for rows in (1, 8, 40)]  # fmt: skip
     before = torch.get_num_threads()
     try:
         for product, dtype, k, rows in cases:

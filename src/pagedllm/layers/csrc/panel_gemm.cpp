@@ -60,10 +60,12 @@ int64_t slice_steps(int64_t m, int64_t steps, int64_t width, int64_t elem) {
 // fn(p0, p1) over [0, n) in chunks of `chunk`, spread over the threads as they finish: each
 // thread walks its own equal share of the chunks in order (its prefetches run ahead into its
 // next chunk), then takes chunks from the far end of a share another thread has not finished.
-// A product that streams its weight at a few rows ends when its slower thread does, and the
-// two cores of a shared guest read at different rates from call to call: SmolLM2's one-row
-// Q4_1 products with an equal split, a 2-core Xeon guest, timed per thread in a development
-// build: the thread that finished first waited 28-31% of the products' time for the other.
+// Every panel product runs on it. A product ends when its slower thread does, and the two
+// cores of a shared guest run at different rates from call to call: SmolLM2's one-row Q4_1
+// products with equal shares, a 2-core Xeon guest, timed per thread in a development build:
+// the thread that finished first waited 28-31% of the products' time for the other (14% with
+// this split). Alternating rounds in one process, equal shares / this: 120 bf16 products of
+// 64 rows on AMX 1.08x, int4 codes at 48 rows of bf16 x 1.03x, at 16 rows of fp32 x 1.09x.
 struct alignas(64) Share {
   std::atomic<uint64_t> ends;  // (next chunk from the front) << 32 | (one past the last)
 };
@@ -92,7 +94,8 @@ void balanced_for(int64_t n, int64_t chunk, const F& fn) {
   }
   std::vector<Share> shares(threads);
   for (int64_t t = 0; t < threads; ++t)
-    shares[t].ends.store(uint64_t(chunks * t / threads) << 32 | uint64_t(chunks * (t + 1) / threads),
+    shares[t].ends.store(uint64_t(chunks * t / threads) << 32 |
+                             uint64_t(chunks * (t + 1) / threads),
                          std::memory_order_relaxed);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -101,6 +104,12 @@ void balanced_for(int64_t n, int64_t chunk, const F& fn) {
         for (int64_t c; claim(share, i == 0, c);) fn(c * chunk, std::min(n, (c + 1) * chunk));
       }
   });
+}
+
+// A chunk of balanced_for for the products: `panels` rounded up to whole groups of kMaxNR
+// (the micro-kernels' width; a shorter run loads x again), at least one group.
+int64_t whole_groups(int64_t panels) {
+  return std::max<int64_t>(1, (panels + kMaxNR - 1) / kMaxNR) * kMaxNR;
 }
 
 // kAmxBf16: AVX512-BF16 and AMX-BF16 tiles (bfloat16 products of more than kMaxMR rows).
@@ -949,7 +958,8 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
                   float* acc, bool dp, int64_t p0, int64_t p1) {
   const int64_t m = x.size(0);
   const int64_t per_step = std::is_same_v<T, float> ? 1 : 2;  // input features per step
-  std::vector<T> scratch(kMaxNR * kQuantSliceK * kPanel);
+  thread_local std::vector<T> scratch;
+  scratch.resize(kMaxNR * kQuantSliceK * kPanel);
   Tile<T> t{};
   t.dp = dp;
   t.xs = x.stride(0);
@@ -976,7 +986,8 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
 // layout) is the tiles' weight; xp has its rows padded to a multiple of 16 (amx_rows).
 void quant_panels_amx(const at::Tensor& xp, int64_t m, const Quant& q, const float* bias,
                       at::Tensor& y, float* acc, int64_t p0, int64_t p1) {
-  std::vector<at::BFloat16> scratch(kMaxNR * kQuantSliceK * kPanel);
+  thread_local std::vector<at::BFloat16> scratch;
+  scratch.resize(kMaxNR * kQuantSliceK * kPanel);
   amx_begin();
   dequantized_slices(q, p0, p1, scratch.data(), [&](int64_t p, int nr, int64_t k0, int64_t k1) {
     AmxSlice a{xp.data_ptr<at::BFloat16>() + k0, xp.stride(0), m, scratch.data(),
@@ -1055,27 +1066,21 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   // Tasks of whole panels streaming at least ~32 KiB of weight, or of work at many rows.
   const int64_t panel_bytes = k * kPanel * x.element_size();
   const int64_t work = panel_bytes * std::max<int64_t>(1, m / kMaxMR) + row_bytes;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / work);
+  const int64_t chunk = whole_groups((32 << 10) / work);
 #if PAGEDLLM_X86 && defined(__GNUC__)
   if (amx) {
     const at::Tensor xp = amx_rows(x);
-    at::parallel_for(0, w.size(0), grain, [&](int64_t p0, int64_t p1) {
+    balanced_for(w.size(0), chunk, [&](int64_t p0, int64_t p1) {
       amx_panels(xp, m, w, bp, y, p0, p1);
     });
     return y;
   }
-  const auto run = [&](int64_t p0, int64_t p1) {
+  balanced_for(w.size(0), chunk, [&](int64_t p0, int64_t p1) {
     if (x.scalar_type() == at::kFloat)
       panels<float>(x, w, bp, y, nullptr, false, p0, p1);
     else
       panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1);
-  };
-  // One row tile streams the weight: chunks of whole micro-kernel groups (kMaxNR panels; a
-  // shorter run loads x again) spread as the threads finish. More rows: equal shares.
-  if (m <= kMaxMR)
-    balanced_for(w.size(0), (grain + kMaxNR - 1) / kMaxNR * kMaxNR, run);
-  else
-    at::parallel_for(0, w.size(0), grain, run);
+  });
 #endif
   return y;
 }
@@ -1152,9 +1157,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
       rows.words = words.data(), rows.sx = sx.data(), rows.parts = parts;
       if (bits == 4) rows.xsum = qsum.data();
     }
-    // chunks of whole stored groups of about 16 KB of codes
-    const int64_t small_chunk = kMaxNR * std::max<int64_t>(1, (16 << 10) / (kMaxNR * panel_bytes));
-    balanced_for(codes.size(0), small_chunk, [&](int64_t p0, int64_t p1) {
+    const int64_t chunk = whole_groups((16 << 10) / panel_bytes);
+    balanced_for(codes.size(0), chunk, [&](int64_t p0, int64_t p1) {
       if (bf16)
         quant_panels_small<at::BFloat16>(q, kernel_rows, rows, bp, y.data_ptr<at::BFloat16>(),
                                          p0, p1);
@@ -1163,15 +1167,15 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
     });
     return y;
   }
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (panel_bytes * (m / kMaxMR)));
+  const int64_t chunk = whole_groups((16 << 10) / (panel_bytes * (m / kMaxMR)));
   if (bf16 && use == Isa::kAmxBf16) {
     const at::Tensor xp = amx_rows(x);
-    at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
+    balanced_for(codes.size(0), chunk, [&](int64_t p0, int64_t p1) {
       quant_panels_amx(xp, m, q, bp, y, ap, p0, p1);
     });
     return y;
   }
-  at::parallel_for(0, codes.size(0), grain, [&](int64_t p0, int64_t p1) {
+  balanced_for(codes.size(0), chunk, [&](int64_t p0, int64_t p1) {
     if (bf16)
       quant_panels<at::BFloat16>(x, q, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1);
     else
