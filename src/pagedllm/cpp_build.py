@@ -59,8 +59,11 @@ def _build_root() -> Path:
 
 def build_name(cflags: list[str], source: Path, prefix: str) -> str:
     """A build's name: the instruction set (when built for it, ``-march=native``), and a hash
-    of the source, the flags and the torch version."""
+    of the source, the headers beside it (which it may include), the flags and the torch
+    version."""
     digest = hashlib.sha1(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update(" ".join(cflags).encode())
     digest.update(torch.__version__.encode())
     native = any(flag.startswith(("-march=", "-mcpu=")) for flag in cflags)

@@ -112,3 +112,24 @@ def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(TorchAttentionBackend, "forward", lambda *args: calls.append(args))
     backend.forward(*[None] * 8)
     assert len(calls) == 1
+
+
+def test_a_build_is_named_after_its_source_and_the_headers_beside_it(tmp_path):
+    """A header the libraries of a folder share (layers/csrc/balanced_for.h) changes the name
+    of each build beside it, so no process loads a library built from the old header."""
+    from pagedllm import cpp_build
+
+    source = tmp_path / "ops.cpp"
+    source.write_text('#include "shared.h"\n')
+    (tmp_path / "shared.h").write_text("// one\n")
+    names = {cpp_build.build_name(["-O3"], source, "ops")}
+    (tmp_path / "shared.h").write_text("// two\n")
+    names.add(cpp_build.build_name(["-O3"], source, "ops"))
+    (tmp_path / "other.h").write_text("// three\n")
+    names.add(cpp_build.build_name(["-O3"], source, "ops"))
+    source.write_text('#include "shared.h"\n// changed\n')
+    names.add(cpp_build.build_name(["-O3"], source, "ops"))
+    (tmp_path / "notes.txt").write_text("not a header\n")
+    names.add(cpp_build.build_name(["-O3"], source, "ops"))
+    assert len(names) == 4  # every change but the text file's
+    assert all(name.startswith("ops_generic_") for name in names)

@@ -125,3 +125,24 @@ def test_equals_onednn_kernel() -> None:
     levels = 127 if _cpu_has_vnni() else 63
     got = cpu_int8.linear(x, packed, rowsum, scale, levels)
     torch.testing.assert_close(got, onednn.mm(x.clone()), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("m", [1, 16])
+def test_any_number_of_threads_gives_the_same_bits(threads: int, m: int) -> None:
+    """The blocks go to threads in chunks as they finish (balanced_for): 37 blocks of 16
+    outputs over 2-3 threads, in chunks that do not divide them evenly."""
+    torch.manual_seed(m)
+    q, scale = quantize_weight(torch.randn(37 * 16, 4096))  # 64 KB blocks: a chunk each
+    packed, rowsum = cpu_int8.pack(q)
+    before = torch.get_num_threads()
+    try:
+        for _ in range(3):  # a new x each time: no output could pass as an earlier one
+            x = torch.randn(m, 4096)
+            torch.set_num_threads(1)
+            want = cpu_int8.linear(x, packed, rowsum, scale, 127 if cpu_int8.has_vnni() else 63)
+            torch.set_num_threads(threads)
+            got = cpu_int8.linear(x, packed, rowsum, scale, 127 if cpu_int8.has_vnni() else 63)
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(before)

@@ -19,6 +19,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "balanced_for.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +37,8 @@
 #endif
 
 namespace {
+
+using pagedllm_cpu::balanced_for;
 
 constexpr int kRows = 16;  // output rows per weight block
 constexpr int kGroup = 4;  // K values per 4-byte group
@@ -403,14 +407,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   float* out = y.data_ptr<float>();
   const int32_t zero = int32_t(levels) + 1;
   const int64_t block_bytes = packed.size(1) * kRows * kGroup;
-  // Enough blocks per task that a task streams at least ~64 KiB of weight.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
+  // Chunks of blocks that stream at least ~64 KiB of weight, handed out as threads finish.
+  const int64_t blocks = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
   // Rows of x in chunks of about 256 KiB (half of a core's L2 on small-L2 CPUs), each chunk
   // multiplied with every block of the task's weight: x comes from L2, not once per block
   // from memory (prefill's 2,048 rows are more than a core's L2).
   const int64_t chunk = std::max<int64_t>(kMaxM, (256 << 10) / kp / kMaxM * kMaxM);
   const bool avx512 = i == Isa::kAvx512Vnni || i == Isa::kAvx512bw;
-  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+  balanced_for(nb, blocks, [&](int64_t b0, int64_t b1) {
     int32_t acc[kMaxM * kRows];
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);

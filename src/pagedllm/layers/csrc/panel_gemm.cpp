@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "balanced_for.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -44,6 +46,8 @@
 
 namespace {
 
+using pagedllm_cpu::balanced_for;
+
 constexpr int64_t kPanel = 16;     // output features per panel: one 512-bit vector of fp32
 constexpr int kMaxMR = 6;          // rows of x per micro-kernel call
 constexpr int kMaxNR = 4;          // panels per micro-kernel call (64 outputs)
@@ -55,55 +59,6 @@ constexpr int64_t kSliceBytes = 192 << 10;  // a panel group's K slice: stays in
 int64_t slice_steps(int64_t m, int64_t steps, int64_t width, int64_t elem) {
   if (m <= kMaxMR) return steps;
   return std::max<int64_t>(16, kSliceBytes / (kMaxNR * width * elem));
-}
-
-// fn(p0, p1) over [0, n) in chunks of `chunk`, spread over the threads as they finish: each
-// thread walks its own equal share of the chunks in order (its prefetches run ahead into its
-// next chunk), then takes chunks from the far end of a share another thread has not finished.
-// Every panel product runs on it. A product ends when its slower thread does, and the two
-// cores of a shared guest run at different rates from call to call: SmolLM2's one-row Q4_1
-// products with equal shares, a 2-core Xeon guest, timed per thread in a development build:
-// the thread that finished first waited 28-31% of the products' time for the other (14% with
-// this split). Alternating rounds in one process, equal shares / this: 120 bf16 products of
-// 64 rows on AMX 1.08x, int4 codes at 48 rows of bf16 x 1.03x, at 16 rows of fp32 x 1.09x.
-struct alignas(64) Share {
-  std::atomic<uint64_t> ends;  // (next chunk from the front) << 32 | (one past the last)
-};
-
-// Claims a chunk of `share`: the front one for its owner, the back one for another thread.
-inline bool claim(Share& share, bool owner, int64_t& chunk) {
-  uint64_t ends = share.ends.load(std::memory_order_relaxed);
-  for (;;) {
-    const uint64_t front = ends >> 32, back = ends & 0xffffffffu;
-    if (front >= back) return false;
-    const uint64_t next = owner ? ends + (uint64_t(1) << 32) : ends - 1;
-    if (share.ends.compare_exchange_weak(ends, next, std::memory_order_relaxed)) {
-      chunk = int64_t(owner ? front : back - 1);
-      return true;
-    }
-  }
-}
-
-template <typename F>
-void balanced_for(int64_t n, int64_t chunk, const F& fn) {
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
-  if (threads <= 1 || at::in_parallel_region()) {
-    if (n > 0) fn(int64_t(0), n);
-    return;
-  }
-  std::vector<Share> shares(threads);
-  for (int64_t t = 0; t < threads; ++t)
-    shares[t].ends.store(uint64_t(chunks * t / threads) << 32 |
-                             uint64_t(chunks * (t + 1) / threads),
-                         std::memory_order_relaxed);
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i = 0; i < threads; ++i) {
-        Share& share = shares[(t + i) % threads];
-        for (int64_t c; claim(share, i == 0, c);) fn(c * chunk, std::min(n, (c + 1) * chunk));
-      }
-  });
 }
 
 // A chunk of balanced_for for the products: `panels` rounded up to whole groups of kMaxNR
