@@ -71,12 +71,17 @@ def test_products_match_float64_at_every_row_count(dtype, isa, tol, n, k, rows):
 
 
 def test_a_thread_done_with_its_share_takes_chunks_from_the_far_end_of_another():
-    """balanced_for, through its trace op: thread 0 is held in its first chunk; thread 1
-    runs its own share in order, then thread 0's remaining chunks from the back."""
+    """balanced_for, through its trace op: thread 0 is held in its first claim (a quarter of
+    its share, at least a chunk); thread 1 runs its own share in order, then thread 0's
+    remaining chunks one at a time from the back."""
     trace = torch.ops.pagedllm_panel.balanced_split_trace
     # (thread, place in its order) per chunk; shares [0, 3) / [3, 6), then [0, 3) / [3, 7)
     assert trace(6).tolist() == [[0, 0], [1, 4], [1, 3], [1, 0], [1, 1], [1, 2]]
     assert trace(7).tolist() == [[0, 0], [1, 5], [1, 4], [1, 0], [1, 1], [1, 2], [1, 3]]
+    # shares of 10: thread 0 claims chunks 0-1 at once; thread 1 steals 9 down to 2
+    assert trace(20).tolist() == [[0, 0], [0, 1]] + [[1, 19 - c] for c in range(2, 10)] + [
+        [1, c] for c in range(10)
+    ]
 
 
 @pytest.mark.parametrize("threads", [2, 3, 4])

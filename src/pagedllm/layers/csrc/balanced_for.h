@@ -16,25 +16,30 @@ namespace pagedllm_cpu {
 // next chunk), then takes chunks from the far end of a share another thread has not finished.
 // The products (panel_gemm.cpp, int8_gemm.cpp) run on it. A product ends when its slower
 // thread does, and the two cores of a shared guest run at different rates from call to call:
-// SmolLM2's one-row Q4_1 products with equal shares, a 2-core Xeon guest, timed per thread in
-// a development build: the thread that finished first waited 28-31% of the products' time for
-// the other (14% with this split). Alternating rounds in one process, equal shares / this:
-// 120 bf16 products of 64 rows on AMX 1.08x, int4 codes at 48 rows of bf16 x 1.03x, at 16
-// rows of fp32 x 1.09x; int8_gemm's int8 x int8 products (the 125M model's shapes) at 16 / 64
-// rows 1.08x / 1.05x, at one row 0.98-1.02x.
+// SmolLM2's one-row Q4_1 products with equal shares, a 2-core Xeon guest in a slow phase,
+// timed per thread in a development build: the thread that finished first waited 28-31% of
+// the products' time for the other (14% with this split). Alternating rounds in one process,
+// equal shares / this: SmolLM2 at batch 1 0.97-1.03x (above 1 in the slow phases, below in
+// the quiet ones); int4 codes at 16 rows of fp32 x 1.07-1.09x, the 125M model's int8 x int8
+// products at 16 / 64 rows 1.08x / 1.05x, bf16 on AMX at 8-64 rows 0.98-1.08x.
 struct alignas(64) Share {
   std::atomic<uint64_t> ends;  // (next chunk from the front) << 32 | (one past the last)
 };
 
-// Claims a chunk of `share`: the front one for its owner, the back one for another thread.
-inline bool claim(Share& share, bool owner, int64_t& chunk) {
+// Claims chunks [first, first + count) of `share`: its owner the front quarter of what is
+// left (a lock-prefixed exchange a chunk cost one-row products a few percent on a quiet
+// machine; a quarter at a time leaves chunks to give away to the end), another thread the
+// back one.
+inline bool claim(Share& share, bool owner, int64_t& first, int64_t& count) {
   uint64_t ends = share.ends.load(std::memory_order_relaxed);
   for (;;) {
     const uint64_t front = ends >> 32, back = ends & 0xffffffffu;
     if (front >= back) return false;
-    const uint64_t next = owner ? ends + (uint64_t(1) << 32) : ends - 1;
+    const uint64_t take = owner ? std::max<uint64_t>(1, (back - front) / 4) : 1;
+    const uint64_t next = owner ? ends + (take << 32) : ends - 1;
     if (share.ends.compare_exchange_weak(ends, next, std::memory_order_relaxed)) {
-      chunk = int64_t(owner ? front : back - 1);
+      first = int64_t(owner ? front : back - 1);
+      count = int64_t(take);
       return true;
     }
   }
@@ -57,7 +62,8 @@ inline void balanced_for(int64_t n, int64_t chunk, const F& fn) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i = 0; i < threads; ++i) {
         Share& share = shares[(t + i) % threads];
-        for (int64_t c; claim(share, i == 0, c);) fn(c * chunk, std::min(n, (c + 1) * chunk));
+        for (int64_t c, count; claim(share, i == 0, c, count);)
+          fn(c * chunk, std::min(n, (c + count) * chunk));
       }
   });
 }

@@ -113,7 +113,7 @@ struct Tile {
   int64_t k0, k1;
   bool first, last;
   bool dp;           // bfloat16: vdpbf16ps (AVX512-BF16), else two FMAs per pair
-  const T* w_end;    // one row tile (streaming): the end of the thread's panels, else null
+  const T* w_end;    // one row tile (streaming): the end of the weight's panels, else null
 };
 
 #if PAGEDLLM_X86 && defined(__GNUC__)
@@ -438,7 +438,8 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
   t.xs = x.stride(0);
   t.panel = panel;
   t.ys = y.stride(0);
-  if (m <= kMaxMR) t.w_end = w.data_ptr<T>() + p1 * panel;
+  // the prefetch runs on past p1: a thread's next chunk is the group after (balanced_for)
+  if (m <= kMaxMR) t.w_end = w.data_ptr<T>() + w.size(0) * panel;
   for (int64_t k0 = 0; k0 < steps; k0 += slice) {
     t.k0 = k0;
     t.k1 = std::min(steps, k0 + slice);
@@ -1143,7 +1144,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
 }
 
 // balanced_for's split made visible (tests): `chunks` chunks over two threads, thread 0
-// held in its first chunk until thread 1 has run every other chunk (each wait gives up after
+// held in its first claim until thread 1 has run every other chunk (each wait gives up after
 // 10 s). Returns, per chunk, the thread that ran it and its place in that thread's order.
 at::Tensor balanced_split_trace(int64_t chunks) {
   TORCH_CHECK(chunks >= 2, "balanced_split_trace: at least 2 chunks");
@@ -1158,15 +1159,15 @@ at::Tensor balanced_split_trace(int64_t chunks) {
   };
   const int threads_before = at::get_num_threads();
   at::set_num_threads(2);
-  balanced_for(chunks, 1, [&](int64_t c, int64_t) {
+  balanced_for(chunks, 1, [&](int64_t c0, int64_t c1) {
     const int t = at::get_thread_num();
-    o[2 * c] = t, o[2 * c + 1] = order[t]++;
-    if (t == 0 && c == 0) {
+    for (int64_t c = c0; c < c1; ++c) o[2 * c] = t, o[2 * c + 1] = order[t]++;
+    if (t == 0 && c0 == 0) {
       held.store(true);
-      wait_for([&] { return done.load() == chunks - 1; });
+      wait_for([&] { return done.load() == chunks - (c1 - c0); });
     } else {
-      wait_for([&] { return held.load(); });  // chunk 0 stays thread 0's
-      done.fetch_add(1);
+      wait_for([&] { return held.load(); });  // the first claim stays thread 0's
+      done.fetch_add(c1 - c0);
     }
   });
   at::set_num_threads(threads_before);
