@@ -27,9 +27,8 @@ struct alignas(64) Share {
 };
 
 // Claims chunks [first, first + count) of `share`: its owner the front quarter of what is
-// left (a lock-prefixed exchange a chunk cost one-row products a few percent on a quiet
-// machine; a quarter at a time leaves chunks to give away to the end), another thread the
-// back one.
+// left (fewer lock-prefixed exchanges than one a chunk, and chunks left to give away to the
+// end), another thread the back one.
 inline bool claim(Share& share, bool owner, int64_t& first, int64_t& count) {
   uint64_t ends = share.ends.load(std::memory_order_relaxed);
   for (;;) {
