@@ -1019,7 +1019,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   if (sliced && x.scalar_type() == at::kBFloat16)
     acc = at::empty({m, n}, x.options().dtype(at::kFloat));
   float* ap = acc.defined() ? acc.data_ptr<float>() : nullptr;
-  // Tasks of whole panels streaming at least ~32 KiB of weight, or of work at many rows.
+  // Chunks of whole panel groups streaming at least ~32 KiB of weight, or of work at many rows.
   const int64_t panel_bytes = k * kPanel * x.element_size();
   const int64_t work = panel_bytes * std::max<int64_t>(1, m / kMaxMR) + row_bytes;
   const int64_t chunk = whole_groups((32 << 10) / work);
