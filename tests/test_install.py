@@ -60,3 +60,24 @@ def test_structured_outputs_work_without_triton() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[2]"  # only '{' may start a JSON object
+
+
+def test_the_package_data_ships_every_file_the_cpp_sources_include() -> None:
+    """The C++ op libraries compile on the user's machine from the installed package: every
+    source and every header a source includes with quotes (layers/csrc/balanced_for.h) must
+    match a package-data pattern, or an installed wheel falls back to the torch ops."""
+    from fnmatch import fnmatch
+
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^\[tool\.setuptools\.package-data\]\npagedllm = \[(.*?)\]", text, re.M)
+    assert block is not None
+    patterns = [p.removeprefix("**/") for p in re.findall(r'"([^"]+)"', block[1])]
+    package = ROOT / "src" / "pagedllm"
+    sources = sorted(package.glob("**/csrc/*.cpp"))
+    included = {
+        s.parent / h for s in sources for h in re.findall(r'#include "([^"]+)"', s.read_text())
+    }
+    assert any(path.name == "balanced_for.h" for path in included)
+    for path in [*sources, *included]:
+        assert path.exists(), path
+        assert any(fnmatch(path.name, p) for p in patterns), f"{path} is not package data"
