@@ -28,3 +28,16 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(model_factory) -> Path:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def small_runner(tiny_llama):  # noqa: ANN201
+    """A ModelRunner over the tiny llama in fp32, blocks of 4, a 16-block cache: for building
+    steps' inputs by hand (prepare_input)."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.worker.model_runner import ModelRunner
+
+    args = EngineArgs(str(tiny_llama), dtype="float32", block_size=4)
+    runner = ModelRunner.from_engine_config(args.create_engine_config())
+    runner.allocate_kv_cache(16)
+    return runner

@@ -28,12 +28,9 @@ def _mixed_batch(block_size: int) -> SchedulerOutput:
     return SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled))
 
 
-@pytest.fixture(scope="module")
-def runner(model_factory) -> ModelRunner:
-    args = EngineArgs(str(model_factory("llama")), dtype="float32", block_size=4)
-    runner = ModelRunner.from_engine_config(args.create_engine_config())
-    runner.allocate_kv_cache(16)
-    return runner
+@pytest.fixture
+def runner(small_runner) -> ModelRunner:
+    return small_runner
 
 
 def test_split_cuts_at_the_sequence_boundary_nearest_half(runner):

@@ -363,9 +363,8 @@ class ModelRunner:
             else:
                 ids.extend(seq.token_ids[start : start + n - len(drafts)])
                 ids.extend(drafts)
-                pos = np.arange(start, start + n)
-                positions.extend(pos.tolist())
-                slots.extend(_slots(seq.block_table, pos, bs).tolist())
+                positions.extend(range(start, start + n))
+                slots.extend(_slots(seq.block_table, np.arange(start, start + n), bs).tolist())
             first = len(ids) - n
             if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 count = min(n, seq.num_prompt_tokens - start)
@@ -408,7 +407,9 @@ class ModelRunner:
             verify_drafts=verify_drafts,
             verify_rows=verify_rows,
             lora_requests=self._lora_requests(out),
-            logits_all_rows=len(logits_idx) == len(ids),
+            # a count alone can mislead: a last prompt chunk with prompt logprobs lists its
+            # last row twice, a chunk that does not sample lists none
+            logits_all_rows=logits_idx == list(range(len(ids))),
         )
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
