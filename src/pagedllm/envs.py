@@ -119,6 +119,12 @@ def PAGEDLLM_CPU_FUSED_DECODER() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_FUSED_DECODER", "1") != "0"
 
 
+def PAGEDLLM_CPU_HUGE_PAGES() -> bool:  # noqa: N802
+    """Keep a CPU model's weights and KV cache in memory advised for 2 MB pages (default on;
+    worker/huge_pages.py); 0 leaves the weights where loading put them, on 4 KB pages."""
+    return os.environ.get("PAGEDLLM_CPU_HUGE_PAGES", "1") != "0"
+
+
 def PAGEDLLM_SPLIT_REPLY_TIMEOUT() -> float:  # noqa: N802
     """Seconds the edge of a split waits for a tier's reply to one step before it declares
     the link lost (fails the running requests, reconnects on a later step)."""

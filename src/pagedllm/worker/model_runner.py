@@ -37,6 +37,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.worker.cpu_decoder import CpuFusedDecoder, run_fused
+from pagedllm.worker.huge_pages import gather_weights
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
 from pagedllm.worker.spec_decode.speculator import Speculator
@@ -305,6 +306,8 @@ class ModelRunner:
         it again. On CUDA this is where decode CUDA-graph capture belongs; CUDA steps run
         eagerly for now."""
         self.fast_path = self.draft_fast_path = None
+        if self.device.type == "cpu" and self.kernels.cpu_huge_pages:
+            self._gather_weights()
         if self.enforce_eager or not self.kv_caches or self.device.type != "cpu":
             return
         if self.lora is not None:  # the fused decoder has no LoRA product
@@ -315,6 +318,24 @@ class ModelRunner:
         if self.speculator is not None and self.speculator.draft is not None:
             self.draft_fast_path = self._build_cpu_decoder(self.speculator.draft.model)
             self.speculator.draft.fast_path = self.draft_fast_path
+
+    def _gather_weights(self) -> None:
+        """The weights as they are now (loaded, quantized, repacked) into huge-page memory
+        (worker/huge_pages.py); those moved by an earlier call stay where they are."""
+        models = [self.model]
+        if self.speculator is not None and self.speculator.draft is not None:
+            models.append(self.speculator.draft.model)
+        moved = 0
+        for model in models:
+            caches = [
+                cache
+                for layer in model.attention_layers()
+                for cache in (layer.key_cache, layer.value_cache)
+                if cache is not None
+            ]
+            moved += gather_weights(model, leave=caches)
+        if moved:
+            logger.info("weights on huge pages: %.1f MiB moved", moved / 2**20)
 
     def _build_cpu_decoder(self, model: torch.nn.Module) -> CpuFusedDecoder | None:
         layers = model.model.layers
