@@ -8,12 +8,12 @@ allocator that torch's tensors come from never asks, and a model's weights are h
 small tensors (SmolLM2's largest layer weight is 1.1 MB). So the runner moves them, once they
 are final, into one private anonymous mapping that asks, starting on a 2 MB boundary.
 
-SmolLM2-135M at batch 1 on a 2-core Xeon guest (4 KB pages unless asked), three alternating
-rounds of processes, weights left / moved (BENCHMARKS.md, round twelve): Q4_1 0.97-1.23x, bf16
-1.06-1.07x, fp32 1.05-1.17x, the same tokens. The KV cache keeps its own mapping
-(model_runner._zeroed): on huge pages too, half of the runs were slower (167-176 tok/s against
-222-230), as each new 2 MB of cache is faulted in, zeroed and compacted in the middle of a
-step.
+SmolLM2-135M at batch 1 on a 2-core Xeon guest (4 KB pages unless asked), five rounds taking
+turns, weights left / moved (benchmarks/batch1.py; BENCHMARKS.md, round twelve): Q4_1
+1.01-1.28x (median 1.06x), bf16 1.00-1.14x (1.06x), fp32 1.02-1.12x (1.09x), the same tokens.
+The KV cache keeps its own mapping (model_runner._zeroed): on huge pages too, half of the runs
+were slower (167-176 tok/s against 222-230), as each new 2 MB of cache is faulted in, zeroed
+and compacted in the middle of a step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""One user's decode rate, taking turns: llama.cpp's llama-bench on a GGUF, then pagedllm on
+each model with an environment switch off and on, each a fresh process, round after round.
+
+A switch's effect on batch 1 is a few percent, and a shared guest's pace changes within
+minutes, so the two sides of each pair run back to back and every round repeats the pair.
+pagedllm: a 128-token prompt, then 128 tokens, greedy; the best of 3 decode rates of one
+process, with a hash of its tokens (the two sides of a pair must agree).
+
+    python benchmarks/batch1.py --llama-bench PATH --gguf Q4_1.gguf \\
+        --model Q4_1.gguf:auto HF_FOLDER:bfloat16 HF_FOLDER:float32 \\
+        --switch PAGEDLLM_CPU_HUGE_PAGES --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+PROMPT, OUTPUT, REPEATS = 128, 128, 3
+
+
+def decode(model: str, dtype: str, quantization: str | None) -> None:
+    """This process: pagedllm's best decode rate of REPEATS requests, printed as JSON."""
+    from pagedllm import LLM, SamplingParams
+
+    kwargs = {"quantization": quantization} if quantization else {}
+    llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_num_seqs=1, **kwargs)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT + 1, ignore_eos=True,
+                            detokenize=False)  # fmt: skip
+    best, tokens = 0.0, []
+    for r in range(REPEATS):
+        prompt = [(7 * r + 13 * j) % 30000 + 3 for j in range(PROMPT)]
+        engine.add_request(str(r), {"prompt_token_ids": prompt}, params)
+        engine.step()  # the prompt
+        start, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens += out.outputs[0].token_ids
+            steps += 1
+        best = max(best, steps / (time.perf_counter() - start))
+    digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
+    print(json.dumps({"tok_s": best, "tokens": digest}))
+
+
+def run_decode(model: str, dtype: str, quantization: str | None, env: dict) -> dict:
+    argv = [sys.executable, __file__, "--decode", model, dtype, quantization or ""]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_bench(binary: str, gguf: str) -> float:
+    argv = [binary, "-m", gguf, "-p", "0", "-n", str(OUTPUT), "-t", "2", "-r", "3", "-o", "json"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["avg_ts"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decode", nargs=3, help=argparse.SUPPRESS)  # one pagedllm process
+    ap.add_argument("--model", nargs="+", default=[],
+                    help="MODEL:DTYPE[:QUANTIZATION], a folder or GGUF file each")  # fmt: skip
+    ap.add_argument("--switch", default="PAGEDLLM_CPU_HUGE_PAGES",
+                    help="environment variable set to 0, then 1, for each model")  # fmt: skip
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (optional)")
+    ap.add_argument("--gguf", help="the GGUF llama-bench decodes")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if args.decode:
+        model, dtype, quantization = args.decode
+        return decode(model, dtype, quantization or None)
+    if not args.model:
+        ap.error("--model is required")
+    print(f"machine: {machine()}")
+    print(f"load: {Path('/proc/loadavg').read_text().split()[:3]}")
+    for r in range(1, args.rounds + 1):
+        print(f"round {r} ({time.strftime('%H:%M:%S', time.gmtime())} UTC)", flush=True)
+        if args.llama_bench and args.gguf:
+            rate = llama_bench(args.llama_bench, args.gguf)
+            print(f"  llama.cpp {Path(args.gguf).name}: {rate:.1f}")
+        for spec in args.model:
+            model, dtype, *rest = spec.split(":")
+            quantization = rest[0] if rest else None
+            sides = {}
+            for value in ("0", "1"):
+                env = {**os.environ, args.switch: value}
+                sides[value] = run_decode(model, dtype, quantization, env)
+            same = (
+                "same tokens" if sides["0"]["tokens"] == sides["1"]["tokens"] else "TOKENS DIFFER"
+            )
+            off, on = sides["0"]["tok_s"], sides["1"]["tok_s"]
+            print(f"  {Path(model).name} {dtype} {quantization or ''}: {args.switch}=0 {off:.1f}, "
+                  f"=1 {on:.1f} ({on / off:.2f}x, {same})", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
