@@ -27,6 +27,7 @@ from torch import nn
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each storage's start in an arena: a cache line
+_TRIM_EVERY = 256 << 20  # bytes copied between returns of freed heap: the move's peak stays low
 
 
 def _arena_memory(nbytes: int) -> mmap.mmap:
@@ -101,7 +102,7 @@ def gather_weights(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
     start = -flat.data_ptr() % HUGE_PAGE  # the arena's first byte on a 2 MB boundary
     arena = flat.untyped_storage()
     arena._pagedllm_arena = True  # type: ignore[attr-defined]
-    offset = start
+    offset, since_trim = start, 0
     with torch.no_grad():
         for ptr in list(storages):  # in the model's order; each old storage goes once copied
             storage, tensors = storages.pop(ptr)
@@ -116,5 +117,9 @@ def gather_weights(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
                 )
             offset += sizes[ptr]
             del storage, tensors
+            since_trim += nbytes
+            if since_trim >= _TRIM_EVERY:  # small tensors' old copies sit in glibc's heap
+                _return_freed_memory()
+                since_trim = 0
     _return_freed_memory()
     return offset - start
