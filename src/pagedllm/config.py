@@ -140,7 +140,7 @@ class KernelConfig:
     cpu_fused_ops: bool = True  # PAGEDLLM_CPU_FUSED_OPS: ops take their C++ forward_cpu
     cpu_fused_decoder: bool = True  # PAGEDLLM_CPU_FUSED_DECODER: the runner's fused decoder
     attention_tiles: str | None = None  # PAGEDLLM_ATTENTION_TILES: tile overrides
-    cpu_huge_pages: bool = True  # PAGEDLLM_CPU_HUGE_PAGES: weights and KV cache on 2 MB pages
+    cpu_huge_pages: bool = True  # PAGEDLLM_CPU_HUGE_PAGES: a CPU model's weights on 2 MB pages
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,8 @@ def PAGEDLLM_CPU_FUSED_DECODER() -> bool:  # noqa: N802
 
 
 def PAGEDLLM_CPU_HUGE_PAGES() -> bool:  # noqa: N802
-    """Keep a CPU model's weights and KV cache in memory advised for 2 MB pages (default on;
-    worker/huge_pages.py); 0 leaves the weights where loading put them, on 4 KB pages."""
+    """Move a CPU model's weights, once loaded, into memory advised for 2 MB pages (default on;
+    worker/huge_pages.py); 0 leaves them where loading put them, on 4 KB pages."""
     return os.environ.get("PAGEDLLM_CPU_HUGE_PAGES", "1") != "0"
 
 
