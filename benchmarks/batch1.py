@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
+from compare import llama_bench  # noqa: E402
 
 PROMPT, OUTPUT, REPEATS = 128, 128, 3
 
@@ -59,12 +60,6 @@ def run_decode(model: str, dtype: str, quantization: str | None, env: dict) -> d
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llama_bench(binary: str, gguf: str) -> float:
-    argv = [binary, "-m", gguf, "-p", "0", "-n", str(OUTPUT), "-t", "2", "-r", "3", "-o", "json"]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)[0]["avg_ts"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", nargs=3, help=argparse.SUPPRESS)  # one pagedllm process
@@ -86,7 +81,8 @@ def main() -> None:
     for r in range(1, args.rounds + 1):
         print(f"round {r} ({time.strftime('%H:%M:%S', time.gmtime())} UTC)", flush=True)
         if args.llama_bench and args.gguf:
-            rate = llama_bench(args.llama_bench, args.gguf)
+            bench = llama_bench(Path(args.llama_bench), Path(args.gguf), 2, 0, OUTPUT)
+            rate = bench["decode_tok_s"]
             print(f"  llama.cpp {Path(args.gguf).name}: {rate:.1f}")
         for spec in args.model:
             model, dtype, *rest = spec.split(":")
