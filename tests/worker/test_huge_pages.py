@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.huge_pages import HUGE_PAGE, gather_weights
+from pagedllm.worker.huge_pages import HUGE_PAGE, gather_weights, in_arena
 
 
 class _Holder(nn.Module):
@@ -30,10 +30,6 @@ class _Holder(nn.Module):
         self.cache = torch.randn(64, 8)
 
 
-def _in_arena(t: torch.Tensor) -> bool:
-    return getattr(t.untyped_storage(), "_pagedllm_arena", False)
-
-
 def test_gather_weights_repoints_every_view_of_a_weight_into_one_aligned_arena():
     m = _Holder()
     before = {name: t.clone() for name, t in m.state_dict().items()}
@@ -43,7 +39,7 @@ def test_gather_weights_repoints_every_view_of_a_weight_into_one_aligned_arena()
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors if t is not base)  # codes: base's
     moved = gather_weights(m, leave=[m.cache])
     assert nbytes <= moved < nbytes + 64 * len(tensors)  # each storage once, 64-byte aligned
-    assert all(_in_arena(t) for t in tensors)
+    assert all(in_arena(t) for t in tensors)
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one arena
     assert min(t.data_ptr() for t in tensors) % HUGE_PAGE == 0  # it starts on a 2 MB page
     # the flat base the buffer is a view of moved with it: the old bytes have no holder left
@@ -51,13 +47,13 @@ def test_gather_weights_repoints_every_view_of_a_weight_into_one_aligned_arena()
     for name, t in m.state_dict().items():
         assert torch.equal(t, before[name]), name
     assert torch.equal(m.kernel.scale, scale)
-    assert m.cache.data_ptr() == cache_ptr and not _in_arena(m.cache)
+    assert m.cache.data_ptr() == cache_ptr and not in_arena(m.cache)
     with torch.no_grad():  # in-place updates reach every holder
         m.codes[0, 0] = 77
     assert m.kernel.codes[0, 0] == 77 and base[0] == 77
     assert gather_weights(m, leave=[m.cache]) == 0  # all there already
     m.extra = nn.Linear(4, 4)  # a weight added later gets an arena of its own
-    assert gather_weights(m, leave=[m.cache]) > 0 and _in_arena(m.extra.weight)
+    assert gather_weights(m, leave=[m.cache]) > 0 and in_arena(m.extra.weight)
 
 
 def _mapping_flags(address: int) -> list[str]:
@@ -100,7 +96,7 @@ def test_an_engine_moves_its_weights_not_its_cache_and_decodes_the_same_tokens(
         weights = [*runner.model.named_parameters(), *runner.model.named_buffers()]
         # (a weight in panel form leaves an empty one; rotary tables are shared by live models
         # of one shape, layers/rotary._TABLES, so another test's engine may have moved them)
-        held[switch] = [_in_arena(w) for n, w in weights if w.numel() and "rotary" not in n]
-        assert not any(_in_arena(k) or _in_arena(v) for k, v in runner.kv_caches)
+        held[switch] = [in_arena(w) for n, w in weights if w.numel() and "rotary" not in n]
+        assert not any(in_arena(k) or in_arena(v) for k, v in runner.kv_caches)
     assert held["1"] and not any(held["0"]) and all(held["1"])
     assert tokens["1"] == tokens["0"]

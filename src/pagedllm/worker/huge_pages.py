@@ -27,6 +27,7 @@ from torch import nn
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each storage's start in an arena: a cache line
+_ARENA_FLAG = "_pagedllm_arena"  # set on an arena's storage (torch keeps its Python object)
 _TRIM_EVERY = 256 << 20  # bytes copied between returns of freed heap: the move's peak stays low
 
 
@@ -82,6 +83,11 @@ def _held_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def in_arena(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's bytes are in an arena gather_weights made."""
+    return getattr(tensor.untyped_storage(), _ARENA_FLAG, False)
+
+
 def gather_weights(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
     """Moves the storages of the model's tensors (all but those of `leave`, the KV cache) into
     one huge-page arena; returns the bytes moved (0 when all were there already). Every tensor
@@ -92,7 +98,7 @@ def gather_weights(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for tensor in _held_tensors(model):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() in left or getattr(storage, "_pagedllm_arena", False):
+        if storage.data_ptr() in left or in_arena(tensor):
             continue
         storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
     if not storages:
@@ -101,7 +107,7 @@ def gather_weights(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
     flat = torch.frombuffer(_arena_memory(sum(sizes.values()) + HUGE_PAGE), dtype=torch.uint8)
     start = -flat.data_ptr() % HUGE_PAGE  # the arena's first byte on a 2 MB boundary
     arena = flat.untyped_storage()
-    arena._pagedllm_arena = True  # type: ignore[attr-defined]
+    setattr(arena, _ARENA_FLAG, True)
     offset, since_trim = start, 0
     with torch.no_grad():
         for ptr in list(storages):  # in the model's order; each old storage goes once copied
