@@ -14,6 +14,12 @@ turns, weights left / moved (benchmarks/batch1.py; BENCHMARKS.md, round twelve):
 The KV cache keeps its own mapping (model_runner._zeroed): on huge pages too, half of the runs
 were slower (167-176 tok/s against 222-230), as each new 2 MB of cache is faulted in, zeroed
 and compacted in the middle of a step.
+
+The move costs start-up time: the first touch of fresh 2 MB pages. On that Xeon guest it was
+2.6-5.3 s for 512 MiB (0.12 s on 4 KB pages, 0.07-0.11 s for 2 MB pages freed moments before
+in the same process), so the host seems to back each new 2 MB block on first use: SmolLM2's
+fp32 folder loads in 3.4-4.7 s rather than 0.5, and `pagedllm generate` on its Q4_1 file
+starts 0.8 s later (benchmarks/startup.py). The runner logs the time the move took.
 """
 
 from __future__ import annotations

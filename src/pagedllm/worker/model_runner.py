@@ -322,6 +322,7 @@ class ModelRunner:
     def _gather_weights(self) -> None:
         """The weights as they are now (loaded, quantized, repacked) into huge-page memory
         (worker/huge_pages.py); those moved by an earlier call stay where they are."""
+        start = time.perf_counter()
         models = [self.model]
         if self.speculator is not None and self.speculator.draft is not None:
             models.append(self.speculator.draft.model)
@@ -334,8 +335,12 @@ class ModelRunner:
                 if cache is not None
             ]
             moved += gather_weights(model, leave=caches)
-        if moved:
-            logger.info("weights on huge pages: %.1f MiB moved", moved / 2**20)
+        if moved:  # the first touch of 2 MB pages can cost seconds a GiB (a VM's host)
+            seconds, mib = time.perf_counter() - start, moved / 2**20
+            logger.info(
+                "weights on huge pages: %.1f MiB moved in %.2f s "
+                "(PAGEDLLM_CPU_HUGE_PAGES=0 leaves them)", mib, seconds,
+            )  # fmt: skip
 
     def _build_cpu_decoder(self, model: torch.nn.Module) -> CpuFusedDecoder | None:
         layers = model.model.layers
