@@ -101,9 +101,10 @@ def PAGEDLLM_CPU_PANEL_WEIGHTS() -> bool:  # noqa: N802
 
 
 def PAGEDLLM_CPU_INT8_ACTIVATIONS() -> bool:  # noqa: N802
-    """A GGUF file's int8 / int4 layers (codes in panels, not the LM head) multiply up to 4
-    rows of x as int8 (rounded per block of 32, llama.cpp's way) on AVX512-VNNI (default on
-    where the CPU has it); 0 keeps x in fp32 against the unpacked codes."""
+    """Weight-only layers with codes in panels multiply x as int8 on AVX512-VNNI (default on
+    where the CPU has it): a GGUF file's linears up to 4 rows of x rounded per block of 32
+    (llama.cpp's way), every other one (LM heads, the int4 format's layers) one row as two
+    int8 parts (fp32 x's accuracy); 0 keeps x in fp32 against the unpacked codes."""
     return os.environ.get("PAGEDLLM_CPU_INT8_ACTIVATIONS", "1") != "0"
 
 

@@ -114,14 +114,18 @@ def test_fused_layers_equal_the_python_layers(
 @pytest.mark.parametrize(("quantization", "bits"), [("int8", {8}), ("int4", {4})])
 def test_weight_only_products_run_in_the_fused_decoder(model_factory, quantization, bits):
     """The default int8 (down_proj weight-only int8) and int4 (every linear weight-only)
-    build the fused decoder, whose weight-only linears carry -bits as their level."""
+    build the fused decoder, whose weight-only linears carry -(form + bits) as their level:
+    form 128 (one row of x as two int8 parts) where the CPU runs int8 activations, else 0."""
+    from pagedllm.layers import panel_gemm
+
     llm = LLM(str(model_factory("llama")), dtype="float32", quantization=quantization)
     runner = llm.llm_engine.executor.local_runner
     assert runner.fast_path is not None
     levels = runner.fast_path.operands.ints
     per_layer = len(levels) // runner.model.config.num_hidden_layers
     linear_levels = [lv for i, lv in enumerate(levels) if 6 <= i % per_layer < 10]
-    assert {-lv for lv in linear_levels if lv < 0} == bits
+    form = 128 if panel_gemm.available() and panel_gemm.int8_activations() else 0
+    assert {-lv for lv in linear_levels if lv < 0} == {form + b for b in bits}
     if quantization == "int8":
         assert any(lv > 0 for lv in linear_levels)  # qkv / o / gate_up stay W8A8
 

@@ -107,11 +107,13 @@ def int8_activations_available() -> bool:
 
 
 def int8_activations(enable: bool | None = None) -> bool:
-    """Whether layers that ask for it (a GGUF file's, weight_only.int8_activations_run)
-    multiply up to 4 rows of x on AVX512-VNNI, x rounded to int8 per block of 32 as
-    llama.cpp's quantized dot products do (default on where the CPU has it;
-    PAGEDLLM_CPU_INT8_ACTIVATIONS=0 starts it off); ``enable`` sets it for the process first,
-    for layers built afterwards. False where the kernel did not load."""
+    """Whether weight-only layers in panels multiply x on AVX512-VNNI
+    (weight_only.int8_activations_run; quantization.x_form picks the form): a GGUF file's
+    layers up to 4 rows of x rounded to int8 per block of 32, as llama.cpp's quantized dot
+    products do, every other one (an LM head too) one row as two int8 parts with fp32 x's
+    accuracy. Default on where the CPU has it; PAGEDLLM_CPU_INT8_ACTIVATIONS=0 starts it off
+    (x in fp32 throughout); ``enable`` sets it for the process first, for layers built
+    afterwards. False where the kernel did not load."""
     if not load():
         return False
     return bool(torch.ops.pagedllm_panel.int8_activations(-1 if enable is None else int(enable)))

@@ -287,7 +287,7 @@ class WeightOnlyKernel(Int8Kernel):
     def fused_operands(
         self, bias: torch.Tensor | None
     ) -> tuple[list[torch.Tensor | None], int] | None:
-        return _weight_only_operands(self.packed, bias)
+        return _weight_only_operands(self.packed, bias, self.x_form)
 
 
 class GroupKernel(Int8Kernel):
@@ -313,35 +313,40 @@ class GroupKernel(Int8Kernel):
     def fused_operands(
         self, bias: torch.Tensor | None
     ) -> tuple[list[torch.Tensor | None], int] | None:
-        return _weight_only_operands(self.packed, bias, self.x_form == "int8")
+        return _weight_only_operands(self.packed, bias, self.x_form)
 
 
 def x_form(module: nn.Module, packed: weight_only.PackedWeight, int8_x: bool = False) -> str:
     """How a weight-only layer's x meets its codes (weight_only.linear), where the CPU runs
-    int8 activations: an LM head "int8_residual" (x as two int8 parts, within 3e-5 of fp32 x:
-    its logits pick the token, and one int8 part turned SmolLM2 Q4_1's "Paris" into French
-    babble, tests/models/test_real_model_gguf.py), a layer asking for int8_x (GGUF blocks,
-    llama.cpp's numerics) "int8"; else, and on other CPUs, "float"."""
+    int8 activations: a layer asking for int8_x (GGUF blocks, llama.cpp's numerics, never an
+    LM head) "int8"; every other layer "int8_residual", x as two int8 parts (x rounded per
+    block of 32, then what the rounding left), off by at most 1.6e-5 times the block's largest
+    |x| where an int8 weight's own rounding is 3.9e-3 times its row's largest: the accuracy of
+    fp32 x at the cost of int8 products (one int8 part turned SmolLM2 Q4_1's "Paris" into
+    French babble as its LM head, tests/models/test_real_model_gguf.py). On other CPUs
+    "float"."""
     if not weight_only.int8_activations_run(packed):
         return "float"
-    if isinstance(module, ParallelLMHead):
-        return "int8_residual"
-    return "int8" if int8_x else "float"
+    if int8_x and not isinstance(module, ParallelLMHead):
+        return "int8"
+    return "int8_residual"
 
 
-INT8_ACTIVATION_LEVELS = 64  # fused_ops.cpp's kInt8Activations
+# fused_ops.cpp's activation levels of a weight-only product: -(form * 64 + bits)
+_X_FORM_LEVELS = {"float": 0, "int8": 64, "int8_residual": 128}
 
 
 def _weight_only_operands(
-    packed: weight_only.PackedWeight | None, bias: torch.Tensor | None, int8_x: bool = False
+    packed: weight_only.PackedWeight | None, bias: torch.Tensor | None, form: str
 ) -> tuple[list[torch.Tensor | None], int] | None:
     """The fused decoder's form of a weight-only product (csrc/fused_ops.cpp): codes, int4
-    offsets, group scales, bias, and the activation level: -bits, or -(64 + bits) where x is
-    rounded to int8 (int8_x, as GroupKernel decided it)."""
+    offsets, group scales, bias, and the activation level -(f + bits), f 0 for float x, 64
+    where x is rounded to int8, 128 where it is two int8 parts (the x_form)."""
     if packed is None or packed.qweight.device.type != "cpu" or not weight_only.load():
         return None
-    levels = -(INT8_ACTIVATION_LEVELS + packed.bits) if int8_x else -packed.bits
-    return [packed.qweight, packed.offset, packed.scale, bias], levels
+    return [packed.qweight, packed.offset, packed.scale, bias], -(
+        _X_FORM_LEVELS[form] + packed.bits
+    )
 
 
 KERNELS: dict[str, type[Int8Kernel]] = {

@@ -18,7 +18,8 @@ x's dtype. No call ever holds a dequantized copy of the whole weight.
 On an AVX-512 CPU a linear layer's weight is kept in panels of 16 output features instead
 (:func:`in_panels`, installed by layers/quantization.py): one kernel of csrc/panel_gemm.cpp
 runs every row count from it, up to 8 rows with the codes unpacked in registers (x exact in
-fp32, the group constants applied once per block of 32), beyond with a slice of 4 panels at a
+fp32, the group constants applied once per block of 32; on AVX512-VNNI one row of x in int8
+parts against the codes, :func:`linear`'s x_form), beyond with a slice of 4 panels at a
 time dequantized into a cache-resident scratch for the float panel micro-kernel (bf16 for a
 bf16 x, as the slab path does); an embedding in panels gathers each looked-up row from its
 panel. Panels are stored four at a time, block by block (:func:`in_panels`), so that a
@@ -316,8 +317,8 @@ def linear(
     for a weight in panels, panel_linear). x_form (other than "float" only where
     int8_activations_run) on AVX512-VNNI: "int8", up to 4 rows of x rounded to int8 per block
     of 32 (GGUF blocks, llama.cpp's numerics); "int8_residual", one row as two int8 rows, x
-    rounded and what the rounding left (within 3e-5 of fp32 x at int8's cost: an LM head at
-    one decoding sequence); more rows as "float"."""
+    rounded and what the rounding left (fp32 x's accuracy at int8's cost: every other layer,
+    an LM head too, at one decoding sequence); more rows as "float"."""
     if weight.panels:
         return panel_linear(x, weight, bias, X_FORMS[x_form])
     if x.device.type == "cpu" and load():

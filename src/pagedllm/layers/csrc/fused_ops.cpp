@@ -535,8 +535,9 @@ const c10::TypedOperatorHandle<PanelLinearFn>& panel_linear_op() {
   return op;
 }
 
-// Weight-only levels: -bits, or -(kInt8Activations + bits) for x rounded to int8 per block.
-constexpr int64_t kInt8Activations = 64;
+// Weight-only levels: -(form * kXForms + bits), form 0 for x in float, 1 for x rounded to int8
+// per block, 2 for x as two int8 parts (layers/quantization.py's x_form).
+constexpr int64_t kXForms = 64;
 
 const c10::TypedOperatorHandle<WeightOnlyLinearFn>& quant_panel_linear_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -573,11 +574,13 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
   if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
     const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
                                                               : c10::nullopt;
-    const int64_t bits = -levels % kInt8Activations;
+    const int64_t bits = -levels % kXForms, form = -levels / kXForms;
     at::Tensor y;
-    if (w.dim() == 3) {  // codes in panels; -(64 + bits): x rounded to int8 (GGUF blocks)
+    if (w.dim() == 3) {  // codes in panels
       const c10::optional<std::string> isa =
-          -levels > kInt8Activations ? c10::optional<std::string>("avx512_vnni") : c10::nullopt;
+          form == 1   ? c10::optional<std::string>("avx512_vnni")
+          : form == 2 ? c10::optional<std::string>("avx512_vnni_residual")
+                      : c10::nullopt;
       y = quant_panel_linear_op().call(x, w, scale, offset, bits, c10::nullopt, isa);
     } else {
       y = weight_only_linear_op().call(x, w, scale, offset, bits, c10::nullopt, c10::nullopt);

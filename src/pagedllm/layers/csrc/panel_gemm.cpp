@@ -554,18 +554,18 @@ Quant quant_operands(const at::Tensor& codes, const at::Tensor& scale,
                n, k, k / groups, groups, bits == 4, half};
 }
 
-// The codes of panel p's 16 outputs at input features k and k + 1 (k even), as fp32.
+// The codes of a panel's 16 outputs at features t and t + 1 (t even) of the block at `at`, as
+// fp32.
 template <bool INT4>
-__attribute__((target("avx512f"))) inline void codes_pair(const Quant& q, int64_t p, int64_t k,
+__attribute__((target("avx512f"))) inline void codes_pair(const uint8_t* at, int64_t t,
                                                           __m512& even, __m512& odd) {
-  const uint8_t* at = q.block(p, k / 32);
   if constexpr (INT4) {
     const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + (k % 32) / 2 * kPanel)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + t / 2 * kPanel)));
     even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   } else {
-    const int8_t* row = reinterpret_cast<const int8_t*>(at) + (k % 32) * kPanel;
+    const int8_t* row = reinterpret_cast<const int8_t*>(at) + t * kPanel;
     even = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
     odd = _mm512_cvtepi32_ps(
@@ -591,7 +591,7 @@ __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p,
       const __m512 m = INT4 ? q.at(q.offset, c) : _mm512_setzero_ps();
       for (int64_t k = b; k < b + 32; k += 2) {
         __m512 even, odd;
-        codes_pair<INT4>(q, p + j, k, even, odd);
+        codes_pair<INT4>(q.block(p + j, k / 32), k % 32, even, odd);
         even = _mm512_fmadd_ps(even, d, m);
         odd = _mm512_fmadd_ps(odd, d, m);
         T* dst = out + (j * kQuantSliceK + (k - k0)) * kPanel;  // bf16: (k - k0) / 2 pairs of 32
@@ -605,7 +605,7 @@ __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p,
     }
 }
 
-// The weight kAheadBytes ahead of block b of panels [p, p + nr), requested into L2: the codes
+// The weight kAheadBytes ahead of a block of panels [p, p + nr) is requested into L2: the codes
 // in the stored order, which runs on from a group's last block into the next group's first
 // (the groups lie one after another), and the constants as far ahead in their own order (once
 // per feature group). At one row a product only streams its weight, and the hardware
@@ -615,25 +615,56 @@ __attribute__((target("avx512f"))) void dequant_slice(const Quant& q, int64_t p,
 // them 1.08 -> 0.82 ms; 4 to 16 KB ahead measured alike.
 constexpr int64_t kAheadBytes = 8192;
 
-inline void prefetch_ahead(const Quant& q, int64_t p, int nr, int64_t b) {
-  const int64_t bits = q.int4 ? 4 : 8, block_bytes = 32 * kPanel * bits / 8;  // a panel's
-  const char* codes = reinterpret_cast<const char*>(q.block(p, b)) + kAheadBytes;
-  const char* codes_end = reinterpret_cast<const char*>(q.codes) + q.n * q.k * bits / 8;
-  for (int64_t line = 0; line < nr * block_bytes; line += 64)
-    if (codes + line < codes_end) to_l2(codes + line);
-  if (b * 32 % q.group != 0) return;
-  // The constants' order advances elem * 16 bytes per panel and feature group, the codes'
-  // group * 16 * bits / 8: the same distance in features is this many bytes of constants.
-  const int64_t elem = q.half ? 2 : 4;
-  const int64_t ahead = kAheadBytes * elem * 8 / (q.group * bits);
-  const int64_t c = q.constant(p, b * 32 / q.group) * elem + ahead;
-  const int64_t constants_end = q.n * q.groups * elem;
-  for (int64_t line = 0; line < nr * kPanel * elem; line += 64) {
-    if (c + line >= constants_end) break;
-    to_l2(static_cast<const char*>(q.scale) + c + line);
-    if (q.int4) to_l2(static_cast<const char*>(q.offset) + c + line);
+// One stored group's weight as the small-row kernels walk it, block by block from panel p:
+// the codes and the constants advance by fixed steps (the index arithmetic of Quant::block
+// and Quant::constant, with a division by the group size, done once per tile rather than per
+// block and panel), and prefetch requests what lies kAheadBytes ahead.
+struct GroupWalk {
+  const uint8_t* codes;      // panel p's block b
+  int64_t code_step;         // bytes from block b to b + 1 (in_group panels side by side)
+  int64_t block_bytes;       // one panel's block
+  int64_t constant;          // the element of panel p's constants of block b's feature group
+  int64_t constant_step;     // elements from one feature group to the next
+  int64_t per_group;         // blocks per feature group
+  int64_t left;              // blocks of this feature group from the current one on
+  const char* codes_end;
+  int64_t constants_ahead;   // bytes, the constants' distance matching kAheadBytes of codes
+  int64_t constants_end;     // bytes
+
+  GroupWalk(const Quant& q, int64_t p) {
+    const int64_t bits = q.int4 ? 4 : 8, elem = q.half ? 2 : 4;
+    codes = q.block(p, 0);
+    block_bytes = 32 * kPanel * bits / 8;
+    code_step = q.in_group(p) * block_bytes;
+    constant = q.constant(p, 0);
+    constant_step = q.in_group(p) * kPanel;
+    per_group = left = q.group / 32;
+    codes_end = reinterpret_cast<const char*>(q.codes) + q.n * q.k * bits / 8;
+    // The constants' order advances elem * 16 bytes per panel and feature group, the codes'
+    // group * 16 * bits / 8: the same distance in features is this many bytes of constants.
+    constants_ahead = kAheadBytes * elem * 8 / (q.group * bits);
+    constants_end = q.n * q.groups * elem;
   }
-}
+
+  // On to the next block (a counter, not a division per block).
+  void next() {
+    codes += code_step;
+    if (--left == 0) constant += constant_step, left = per_group;
+  }
+
+  void prefetch(const Quant& q, int nr) const {
+    const char* ahead = reinterpret_cast<const char*>(codes) + kAheadBytes;
+    for (int64_t line = 0; line < nr * block_bytes; line += 64)
+      if (ahead + line < codes_end) to_l2(ahead + line);
+    if (left != per_group) return;  // the constants once per feature group
+    const int64_t elem = q.half ? 2 : 4, c = constant * elem + constants_ahead;
+    for (int64_t line = 0; line < nr * kPanel * elem; line += 64) {
+      if (c + line >= constants_end) break;
+      to_l2(static_cast<const char*>(q.scale) + c + line);
+      if (q.int4) to_l2(static_cast<const char*>(q.offset) + c + line);
+    }
+  }
+};
 
 // Up to kSmallRows rows (decode): the codes unpacked in registers, never stored. Per block of
 // 32 input features, s = sum_k x[k] q[k] over the block's codes, then y += d * s (+ m *
@@ -646,28 +677,30 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
                                                          const float* xsum, int64_t p,
                                                          const float* bias,
                                                          float (&out)[MR][NR][16]) {
+  GroupWalk walk(q, p);
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j)
       acc[i][j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
   const int64_t blocks = q.k / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (MR <= 2) prefetch_ahead(q, p, NR, b);
+  for (int64_t b = 0; b < blocks; walk.next(), ++b) {
+    if (MR <= 2) walk.prefetch(q, NR);
     __m512 s[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) s[i][j] = _mm512_setzero_ps();
-    for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+    const float* xb = x + b * 32;
+    for (int t = 0; t < 32; t += 2) {
       for (int j = 0; j < NR; ++j) {
         __m512 lo, hi;
-        codes_pair<INT4>(q, p + j, k, lo, hi);
+        codes_pair<INT4>(walk.codes + j * walk.block_bytes, t, lo, hi);
         for (int i = 0; i < MR; ++i) {
-          s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * q.k + k]), lo, s[i][j]);
-          s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * q.k + k + 1]), hi, s[i][j]);
+          s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[i * q.k + t]), lo, s[i][j]);
+          s[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[i * q.k + t + 1]), hi, s[i][j]);
         }
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const int64_t c = q.constant(p + j, b * 32 / q.group);
+      const int64_t c = walk.constant + j * kPanel;
       const __m512 d = q.at(q.scale, c);
       if constexpr (INT4) {
         const __m512 m = q.at(q.offset, c);
@@ -686,12 +719,13 @@ __attribute__((target("avx512f"))) void quant_tile_small(const Quant& q, const f
 // Up to kVnniRows rows on a CPU with AVX512-VNNI and VBMI, when asked: x quantized to int8
 // per block of 32 features (scale max|x| / 127, as llama.cpp's q8_0 / q8_1 activations) and
 // the codes multiplied in int32, four bytes per lane per vpdpbusd: 64 codes of 16 outputs
-// (4 steps) are one load, a byte permute (lane j: its 4 steps) and, for int4, a nibble split;
+// (4 steps) are one load and a byte permute (lane j: its 4 steps), then for int4 a nibble
+// split, for int8 a flip of the top bit (vpdpbusd takes the codes unsigned, q + 128, and x
+// signed: 128 times x's block sum is taken off again, one integer per row and block);
 // y += d * sx * s (+ m * sx * sum_k q[k]). One row of int4 codes streamed at 25-35 GB/s
 // against 18-25 with the fp32 unpacking above (8 matrices of 4-6 MB, 2 threads).
 // x words per row: int4, per 8 features, (q[0], q[2], q[4], q[6]) then (q[1], q[3], ...);
-// int8, per 4 features, q[0..3] + 128 (vpdpbusd takes one operand unsigned: the codes' sums
-// times 128 are taken off again).
+// int8, per 4 features, q[0..3].
 constexpr int kVnniRows = 4;
 constexpr int kResidualRows = 1;  // two kernel rows each; at 2 rows the fp32 path was as fast
 
@@ -711,11 +745,12 @@ std::atomic<bool>& vnni_flag() {
   return flag;
 }
 
-// Row x [k] -> words [k / 4], scales [k / 32] and the rounded x's block sums [k / 32] (the
-// int4 offsets meet the same x as the codes: their errors then cancel as in x w, q8_1's way).
-// residual (when not null) [k]: x less its rounded form, the second part of a residual row.
+// Row x [k] -> words [k / 4], scales [k / 32] and the rounded x's block sums [k / 32] in
+// integers (the int4 offsets meet the same x as the codes: their errors then cancel as in
+// x w, q8_1's way). residual (when not null) [k]: x less its rounded form, the second part of
+// a residual row.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_row(
-    const float* x, int64_t k, bool int4, int32_t* words, float* sx, float* qsum,
+    const float* x, int64_t k, bool int4, int32_t* words, float* sx, int32_t* qsum,
     float* residual = nullptr) {
   // The int4 word order as a byte permute: out byte 4 w + t takes q[8 (w / 2) + 2 t + w % 2].
   alignas(32) int8_t order[32];
@@ -730,7 +765,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_ro
     // x * inv rounded to nearest even (nearbyint under the default rounding mode), |q| <= 127
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    qsum[b] = sx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     if (residual != nullptr) {
       const __m512 d = _mm512_set1_ps(sx[b]);
       _mm512_storeu_ps(residual + b * 32, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), d, lo));
@@ -738,36 +773,35 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) void quantize_ro
     }
     __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(qlo)),
                                         _mm512_cvtepi32_epi8(qhi), 1);
-    q = int4 ? _mm256_permutexvar_epi8(idx, q) : _mm256_xor_si256(q, _mm256_set1_epi8(-128));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + b * 8), q);  // int8: q + 128
+    if (int4) q = _mm256_permutexvar_epi8(idx, q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + b * 8), q);
   }
 }
 
 template <int MR, int NR, bool INT4>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void quant_tile_vnni(
-    const Quant& q, const int32_t* xw, const float* xs, const float* xsum, int64_t p,
+    const Quant& q, const int32_t* xw, const float* xs, const int32_t* xq_sum, int64_t p,
     const float* bias, float (&out)[MR][NR][16]) {
   // Lane j of a permuted load: bytes (step t, output j) for t = 0..3, from byte 16 t + j.
   alignas(64) int8_t order[64];
   for (int j = 0; j < 16; ++j)
     for (int t = 0; t < 4; ++t) order[4 * j + t] = (int8_t)(16 * t + j);
   const __m512i idx = _mm512_load_si512(order);
-  const __m512i nibble = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(-128);
+  GroupWalk walk(q, p);
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j)
       acc[i][j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
   const int64_t blocks = q.k / 32, row_words = q.k / 4;
-  for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_ahead(q, p, NR, b);
-    __m512i s[MR][NR], csum[NR];
-    for (int j = 0; j < NR; ++j) {
-      csum[j] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; walk.next(), ++b) {
+    walk.prefetch(q, NR);
+    __m512i s[MR][NR];
+    for (int j = 0; j < NR; ++j)
       for (int i = 0; i < MR; ++i) s[i][j] = _mm512_setzero_si512();
-    }
     for (int v = 0; v < 8; v += INT4 ? 2 : 1) {  // 64 code bytes each
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* src = q.block(p + j, b) + (INT4 ? v * 2 : v * 4) * kPanel;
+        const uint8_t* src = walk.codes + j * walk.block_bytes + (INT4 ? v * 2 : v * 4) * kPanel;
         const __m512i c = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(src));
         if constexpr (INT4) {
           const __m512i lo = _mm512_and_si512(c, nibble);
@@ -778,24 +812,29 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void quant_til
             s[i][j] = _mm512_dpbusd_epi32(s[i][j], hi, _mm512_set1_epi32(w[1]));
           }
         } else {
-          csum[j] = _mm512_dpbusd_epi32(csum[j], ones, c);
+          const __m512i cu = _mm512_xor_si512(c, top);  // q + 128
           for (int i = 0; i < MR; ++i)
-            s[i][j] = _mm512_dpbusd_epi32(s[i][j], _mm512_set1_epi32(xw[i * row_words + b * 8 + v]),
-                                          c);
+            s[i][j] = _mm512_dpbusd_epi32(s[i][j], cu,
+                                          _mm512_set1_epi32(xw[i * row_words + b * 8 + v]));
         }
       }
     }
+    if constexpr (!INT4)  // less 128 times x's block sum (in integers)
+      for (int i = 0; i < MR; ++i) {
+        const __m512i fix = _mm512_set1_epi32(128 * xq_sum[i * blocks + b]);
+        for (int j = 0; j < NR; ++j) s[i][j] = _mm512_sub_epi32(s[i][j], fix);
+      }
     for (int j = 0; j < NR; ++j) {
-      const int64_t c = q.constant(p + j, b * 32 / q.group);
+      const int64_t c = walk.constant + j * kPanel;
       const __m512 d = q.at(q.scale, c);
       const __m512 m = INT4 ? q.at(q.offset, c) : _mm512_setzero_ps();
-      const __m512i fix = _mm512_slli_epi32(csum[j], 7);  // int8: 128 * sum of the codes
       for (int i = 0; i < MR; ++i) {
-        const __m512i si = INT4 ? s[i][j] : _mm512_sub_epi32(s[i][j], fix);
-        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xs[i * blocks + b]));
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), ds, acc[i][j]);
-        if constexpr (INT4)
-          acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * blocks + b]), m, acc[i][j]);
+        const float sx = xs[i * blocks + b];
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(sx));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), ds, acc[i][j]);
+        if constexpr (INT4)  // the offsets meet the rounded x's block sum
+          acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(sx * float(xq_sum[i * blocks + b])), m,
+                                      acc[i][j]);
       }
     }
   }
@@ -812,13 +851,15 @@ struct SmallRows {
   const float* xsum;
   const int32_t* words;
   const float* sx;
+  const int32_t* qsum;  // the int8 form's block sums
   int64_t k, blocks;
   int parts = 1;
 
   SmallRows at(int64_t r) const {
     return {x + r * k, xsum != nullptr ? xsum + r * blocks : nullptr,
             words != nullptr ? words + r * (k / 4) : nullptr,
-            sx != nullptr ? sx + r * blocks : nullptr, k, blocks, parts};
+            sx != nullptr ? sx + r * blocks : nullptr,
+            qsum != nullptr ? qsum + r * blocks : nullptr, k, blocks, parts};
   }
 };
 
@@ -827,9 +868,9 @@ void quant_small(const Quant& q, const SmallRows& x, int64_t p, const float* bia
                  float (&out)[MR][NR][16]) {
   if (x.words != nullptr) {
     if (q.int4)
-      quant_tile_vnni<MR, NR, true>(q, x.words, x.sx, x.xsum, p, bias, out);
+      quant_tile_vnni<MR, NR, true>(q, x.words, x.sx, x.qsum, p, bias, out);
     else
-      quant_tile_vnni<MR, NR, false>(q, x.words, x.sx, x.xsum, p, bias, out);
+      quant_tile_vnni<MR, NR, false>(q, x.words, x.sx, x.qsum, p, bias, out);
   } else if (q.int4) {
     quant_tile_small<MR, NR, true>(q, x.x, x.xsum, p, bias, out);
   } else {
@@ -1049,7 +1090,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
                               const c10::optional<std::string>& isa) {
   // isa "avx512_vnni": int8 activations up to kVnniRows rows (the float path beyond);
   // "avx512_vnni_residual": up to kResidualRows rows, each as two int8 rows (x rounded, then
-  // what the rounding left), for a product that must keep fp32 x's accuracy (an LM head);
+  // what the rounding left), for a product that must keep fp32 x's accuracy (all but GGUF
+  // linears, quantization.x_form);
   // "avx512_bf16" / "avx512" / default: x in fp32 throughout.
   const bool residual = isa.has_value() && *isa == "avx512_vnni_residual";
   const bool want_vnni = residual || (isa.has_value() && *isa == "avx512_vnni");
@@ -1076,8 +1118,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
   if (m <= kSmallRows) {
     // x in fp32, its per-block sums and (VNNI) its int8 form, in buffers of this thread: a
     // decode step makes hundreds of these calls on small layers, where tensor set-up showed.
-    thread_local std::vector<float> xf, xsum, sx, qsum;
-    thread_local std::vector<int32_t> words;
+    thread_local std::vector<float> xf, xsum, sx;
+    thread_local std::vector<int32_t> words, qsum;
     // The int4 offsets take per-block sums of x: exact ones on the fp32 path, the rounded
     // x's (quantize_row) on the VNNI path; int8 has no offsets.
     const int64_t blocks = k / 32;
@@ -1097,7 +1139,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
         xsum[r * blocks + b] = sum;
       }
     }
-    SmallRows rows{xf.data(), exact_sums ? xsum.data() : nullptr, nullptr, nullptr, k, blocks};
+    SmallRows rows{xf.data(), exact_sums ? xsum.data() : nullptr, nullptr, nullptr, nullptr, k,
+                   blocks};
     const int64_t kernel_rows = vnni ? m * parts : m;
     if (vnni) {
       thread_local std::vector<float> rest;
@@ -1110,8 +1153,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
         quantize_row(src, k, bits == 4, words.data() + r * k / 4, sx.data() + r * blocks,
                      qsum.data() + r * blocks, parts == 2 && r % 2 == 0 ? rest.data() : nullptr);
       }
-      rows.words = words.data(), rows.sx = sx.data(), rows.parts = parts;
-      if (bits == 4) rows.xsum = qsum.data();
+      rows.words = words.data(), rows.sx = sx.data(), rows.qsum = qsum.data();
+      rows.parts = parts;
     }
     const int64_t chunk = whole_groups((16 << 10) / panel_bytes);
     balanced_for(codes.size(0), chunk, [&](int64_t p0, int64_t p1) {
