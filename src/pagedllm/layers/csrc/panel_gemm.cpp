@@ -400,12 +400,18 @@ __attribute__((target("avx512f"))) void amx_slice(const AmxSlice& a, int nr) {
 }
 
 // x [M, K] bf16 as the tiles read it: itself when M is a multiple of 16, else a copy with zero
-// rows up to one.
+// rows up to one. Plain copies, only the padding zeroed: at::zeros with a narrowed copy_ took
+// 15-20 us a product at 40-64 rows of the 125M model (three dispatched ops, the whole tile
+// written twice), about 0.9 ms of a 24 ms decode step of 40 rows.
 at::Tensor amx_rows(const at::Tensor& x) {
-  const int64_t m = x.size(0), padded = (m + 15) / 16 * 16;
+  const int64_t m = x.size(0), k = x.size(1), padded = (m + 15) / 16 * 16;
   if (padded == m) return x;
-  at::Tensor xp = at::zeros({padded, x.size(1)}, x.options());
-  xp.narrow(0, 0, m).copy_(x);
+  at::Tensor xp = at::empty({padded, k}, x.options());
+  auto* dst = xp.data_ptr<at::BFloat16>();
+  const auto* src = x.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(dst + r * k, src + r * x.stride(0), k * sizeof(at::BFloat16));
+  std::memset(dst + m * k, 0, (padded - m) * k * sizeof(at::BFloat16));
   return xp;
 }
 
