@@ -1,5 +1,6 @@
 """One user's decode rate, taking turns: llama.cpp's llama-bench on a GGUF, then pagedllm on
-each model with an environment switch off and on, each a fresh process, round after round.
+each model with an environment switch off and on (or another commit's code, then this tree's),
+each a fresh process, round after round.
 
 A switch's effect on batch 1 is a few percent, and a shared guest's pace changes within
 minutes, so the two sides of each pair run back to back and every round repeats the pair.
@@ -9,6 +10,8 @@ process, with a hash of its tokens (the two sides of a pair must agree).
     python benchmarks/batch1.py --llama-bench PATH --gguf Q4_1.gguf \\
         --model Q4_1.gguf:auto HF_FOLDER:bfloat16 HF_FOLDER:float32 \\
         --switch PAGEDLLM_CPU_HUGE_PAGES --rounds 3
+
+Before and after a change: ``git worktree add ../base COMMIT``, then ``--against ../base``.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def main() -> None:
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (optional)")
     ap.add_argument("--gguf", help="the GGUF llama-bench decodes")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--against", metavar="DIR",
+                    help="a checkout of another commit: each pair runs its pagedllm (DIR/src), "
+                         "then this tree's, in place of --switch")  # fmt: skip
     args = ap.parse_args()
     if args.decode:
         model, dtype, quantization = args.decode
@@ -89,14 +95,20 @@ def main() -> None:
             quantization = rest[0] if rest else None
             sides = {}
             for value in ("0", "1"):
-                env = {**os.environ, args.switch: value}
+                env = dict(os.environ)
+                if not args.against:
+                    env[args.switch] = value
+                elif value == "0":  # the other checkout's package ahead of this tree's
+                    path = [str(Path(args.against).resolve() / "src"), env.get("PYTHONPATH")]
+                    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
                 sides[value] = run_decode(model, dtype, quantization, env)
             same = (
                 "same tokens" if sides["0"]["tokens"] == sides["1"]["tokens"] else "TOKENS DIFFER"
             )
             off, on = sides["0"]["tok_s"], sides["1"]["tok_s"]
-            print(f"  {Path(model).name} {dtype} {quantization or ''}: {args.switch}=0 {off:.1f}, "
-                  f"=1 {on:.1f} ({on / off:.2f}x, {same})", flush=True)  # fmt: skip
+            names = ("before", "after") if args.against else (f"{args.switch}=0", "=1")
+            print(f"  {Path(model).name} {dtype} {quantization or ''}: {names[0]} {off:.1f}, "
+                  f"{names[1]} {on:.1f} ({on / off:.2f}x, {same})", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
