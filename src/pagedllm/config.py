@@ -17,6 +17,7 @@ from pagedllm.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = ("auto", *FLOAT_DTYPES, "half", "float")
+_KV_CACHE_DTYPES = ("auto", *FLOAT_DTYPES, "bf16", "fp16", "half", "float")
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # for a config.json that names no architecture
 QUANTIZATION_METHODS = ("int8", "int4", "gguf", "none")  # EngineArgs.quantization
@@ -110,6 +111,7 @@ class CacheConfig:
     gpu_memory_utilization: float  # share of device memory the engine may use (CUDA)
     # explicit KV budget (else PAGEDLLM_CPU_KVCACHE_SPACE on the CPU); the CPU default is 4 GiB
     kv_cache_memory_bytes: int | None
+    cache_dtype: str = "auto"  # the K/V's dtype: "auto" is the model's (EngineArgs.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,12 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = _arg(
         None, "KV-cache budget in bytes (CPU default: 4 GiB, at most 40%% of free RAM)"
     )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "auto (the model's dtype) | bfloat16 | float16 | float32: the dtype the KV cache "
+        "stores keys and values in; attention then runs in it (bfloat16 halves an fp32 "
+        "model's cache)",
+    )
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _arg(
         True, "split long prompts into chunks that share steps with decode"
@@ -463,6 +471,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=kv_bytes,
+                cache_dtype=_resolve_cache_dtype(self.kv_cache_dtype),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -524,6 +533,12 @@ class EngineArgs:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            fp8 = " (fp8 caches are not supported)" if "fp8" in str(self.kv_cache_dtype) else ""
+            raise ValueError(
+                f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got "
+                f"{self.kv_cache_dtype!r}{fp8}."
+            )
         positive = ("block_size", "max_num_seqs", "tensor_parallel_size", "nnodes")
         for name in positive:
             value = getattr(self, name)
@@ -639,6 +654,12 @@ def _max_model_len(hf_config: Any, requested: int | None) -> int:
             f"max_position_embeddings ({limit})."
         )
     return requested
+
+
+def _resolve_cache_dtype(name: str) -> str:
+    """kv_cache_dtype as CacheConfig keeps it: "auto" or a FLOAT_DTYPES name."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    return aliases.get(name, name)
 
 
 def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:

@@ -111,7 +111,7 @@ def test_cache_config_info_tells_the_cpu_cache_as_it_was_sized(tiny_llama) -> No
     pairs = line[line.index("{") + 1 : line.index("}")].split(",")
     labels = {k: v.strip('"') for k, v in (pair.split("=", 1) for pair in pairs)}
     assert labels["engine"] == "0" and labels["model_name"] == "tiny"
-    assert labels["device"] == "cpu"
+    assert labels["device"] == "cpu" and labels["cache_dtype"] == "auto"
     assert labels["num_gpu_blocks"] == str(kv.num_blocks)
     assert int(labels["kv_cache_memory_bytes"]) == kv.num_blocks * kv.bytes_per_block
     assert 0 < int(labels["kv_cache_memory_bytes"]) <= 1 << 22

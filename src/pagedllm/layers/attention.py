@@ -24,9 +24,13 @@ class Attention(nn.Module):
         self.value_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, heads * head_dim], k / v [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
+        """q [T, heads * head_dim], k / v [T, kv_heads * head_dim] -> [T, heads * head_dim].
+        A cache of another dtype than q's (kv_cache_dtype) takes q, k and v in its dtype:
+        attention runs in it and its output comes back in q's."""
         assert self.backend is not None, "KV cache not bound"
-        num_tokens = q.shape[0]
+        num_tokens, dtype = q.shape[0], q.dtype
+        if self.key_cache.dtype != dtype:
+            q, k, v = (t.to(self.key_cache.dtype) for t in (q, k, v))
         out = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -37,4 +41,4 @@ class Attention(nn.Module):
             self.scale,
             self.window_left,
         )
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim).to(dtype)

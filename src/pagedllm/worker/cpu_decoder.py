@@ -55,10 +55,14 @@ def _linear(lin: nn.Module) -> tuple[list[torch.Tensor | None], int]:
     return operands
 
 
-def _attention(attn: Attention, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]]:
+def _attention(attn: Attention) -> tuple[list[torch.Tensor], list[int]]:
     if attn.backend is None:
         raise _Unfusable("attention without a KV cache")
-    tiles = attn.backend.cpu_kernel_tiles(dtype, attn.num_heads, attn.key_cache)
+    # attention runs in the cache's dtype (kv_cache_dtype), q converted to it as Attention does
+    cache_dtype = attn.key_cache.dtype
+    if cache_dtype not in cpu_fused.DTYPES:
+        raise _Unfusable(f"a KV cache in {cache_dtype}")
+    tiles = attn.backend.cpu_kernel_tiles(cache_dtype, attn.num_heads, attn.key_cache)
     if tiles is None:
         raise _Unfusable(f"attention backend {attn.backend.name!r} is not the C++ kernel")
     ints = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window_left, *tiles]
@@ -88,7 +92,7 @@ def _add_layer(operands: DecoderOperands, layer: nn.Module, dtype: torch.dtype) 
     ]
     if spec.qk_norm != (norms[4] is not None):
         raise _Unfusable("q / k norms differ from the layer's declaration")
-    caches, attn_ints = _attention(attn, dtype)
+    caches, attn_ints = _attention(attn)
     linears = [_linear(m) for m in (attn_mod.qkv_proj, attn_mod.o_proj, mlp.gate_up_proj,
                                     mlp.down_proj)]  # fmt: skip
     operands.tensors += [*norms, rotary.cos, rotary.sin, *caches]

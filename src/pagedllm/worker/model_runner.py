@@ -109,6 +109,9 @@ class ModelRunner:
         if self.device.type == "cuda" and comm.world_size > 1:
             self.device = torch.device("cuda", comm.rank % torch.cuda.device_count())
         self.dtype = torch_dtype(model_config.dtype)
+        # the K/V's dtype: the model's, or kv_cache_dtype's (attention then runs in it)
+        cache_dtype = cache_config.cache_dtype
+        self.kv_dtype = self.dtype if cache_dtype == "auto" else torch_dtype(cache_dtype)
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
         self.model = load_model(model_config, self.device, comm, self.kernels.cpu_fused_ops)
@@ -175,7 +178,7 @@ class ModelRunner:
         single pool); the draft's with the first group."""
         layers = self.model.attention_layers()
         attn = layers[0]
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         num_layers = len(layers) if group is None else len(self.kv_cache_groups()[group])
         per_token = num_layers * attn.num_kv_heads * attn.head_dim
         if not group and self.speculator is not None and self.speculator.draft is not None:
@@ -363,13 +366,13 @@ class ModelRunner:
         self.speculator.draft.bind_kv_cache(caches, self.backend, self.block_size)
 
     def _zeroed(self, numel: int) -> torch.Tensor:
-        """A zero tensor; on the CPU backed by anonymous memory that the OS zeroes on first
-        touch, so a multi-GiB cache costs nothing at start-up."""
+        """A zero tensor of the cache's dtype; on the CPU backed by anonymous memory that the
+        OS zeroes on first touch, so a multi-GiB cache costs nothing at start-up."""
         if self.device.type != "cpu":
-            return torch.zeros(numel, dtype=self.dtype, device=self.device)
-        nbytes = numel * torch.empty(0, dtype=self.dtype).element_size()
+            return torch.zeros(numel, dtype=self.kv_dtype, device=self.device)
+        nbytes = numel * torch.empty(0, dtype=self.kv_dtype).element_size()
         self._kv_buffer = mmap.mmap(-1, nbytes)  # kept alive as long as the cache
-        return torch.frombuffer(self._kv_buffer, dtype=self.dtype)
+        return torch.frombuffer(self._kv_buffer, dtype=self.kv_dtype)
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_input(self, out: SchedulerOutput) -> ModelInput:

@@ -188,6 +188,7 @@ def cache_info(engine: AsyncLLMEngine) -> dict[str, str]:
         "enable_prefix_caching": str(config.cache.enable_prefix_caching),
         "device": config.device.device,
         "kv_cache_memory_bytes": str(kv.num_blocks * kv.bytes_per_block),
+        "cache_dtype": config.cache.cache_dtype,  # vLLM's label: "auto" or kv_cache_dtype's
     }
     if config.device.device == "cuda":
         info["gpu_memory_utilization"] = str(config.cache.gpu_memory_utilization)

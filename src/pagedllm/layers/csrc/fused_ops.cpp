@@ -734,11 +734,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor& q_rot = reuse(q_buf, {tokens, heads, dim}, qkv.options());
     at::Tensor& k_rot = reuse(k_buf, {tokens, kv_heads, dim}, qkv.options());
     rotary_into(positions, q, k, cos, sin, q_rot, k_rot);
-    write_kv_cache(k_rot, v, key_cache, value_cache, slot_mapping);
-    at::Tensor& attn = reuse(attn_buf, {tokens, heads, dim}, qkv.options());
-    attention_op().call(q_rot, key_cache, value_cache, attn, cu_seqlens_q, seq_lens_k,
+    // a cache of another dtype (kv_cache_dtype): attention runs in it, as layers/attention.py
+    const at::ScalarType cache_type = key_cache.scalar_type();
+    const bool convert = cache_type != qkv.scalar_type();
+    const at::Tensor q_att = convert ? q_rot.to(cache_type) : q_rot;
+    write_kv_cache(convert ? k_rot.to(cache_type) : k_rot, convert ? v.to(cache_type) : v,
+                   key_cache, value_cache, slot_mapping);
+    at::Tensor& attn = reuse(attn_buf, {tokens, heads, dim}, qkv.options().dtype(cache_type));
+    attention_op().call(q_att, key_cache, value_cache, attn, cu_seqlens_q, seq_lens_k,
                         c10::nullopt, block_table, c10::nullopt, fl[1], in[3], 0, in[4], in[5]);
-    hidden = linear(attn.view({tokens, q_size}), tensors, t0 + 14, in[7]);
+    const at::Tensor attn_out = convert ? attn.to(qkv.scalar_type()) : attn;
+    hidden = linear(attn_out.view({tokens, q_size}), tensors, t0 + 14, in[7]);
     if (post_attn_w.defined()) hidden = rms_norm(hidden, post_attn_w, eps, offset);
     // MLP stage: norm, gate_up, activation * up, down, norm
     add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
