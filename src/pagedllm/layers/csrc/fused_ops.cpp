@@ -646,6 +646,33 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return rms_norm(rows, weight, eps, offset).view({x.size(0), x.size(1), x.size(2)});
 }
 
+// src [T, H, D] (head rows of unit stride, as heads_of makes them) into dst, a contiguous
+// [T, H, D] of the other float type, each value rounded as Tensor.to rounds it (to nearest
+// even): where kv_cache_dtype differs from the model's, a decode step converts q, k, v and the
+// attention's output of every layer, and four dispatched .to() calls a layer, each with its
+// allocation, cost about what the smaller cache saved at short contexts.
+void convert_rows(const at::Tensor& src, at::Tensor& dst) {
+  const int64_t tokens = src.size(0), heads = src.size(1), dim = src.size(2);
+  TORCH_CHECK(src.stride(2) == 1 && dst.is_contiguous() && dst.sizes() == src.sizes(),
+              "convert_rows: [T, H, D] rows into a contiguous tensor of their shape");
+  with_float_type(src.scalar_type(), "convert_rows", [&](auto s) {
+    using S = decltype(s);
+    with_float_type(dst.scalar_type(), "convert_rows", [&](auto d) {
+      using D = decltype(d);
+      const S* in = src.data_ptr<S>();
+      D* out = dst.data_ptr<D>();
+      at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = 0; h < heads; ++h) {
+            const S* row = in + t * src.stride(0) + h * src.stride(1);
+            D* to = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < dim; ++i) to[i] = static_cast<D>(static_cast<float>(row[i]));
+          }
+      });
+    });
+  });
+}
+
 // A [T, H, D] view of columns [first, first + H * D) of the rows of x [T, N] (q, k or v in a
 // fused qkv projection's output), made without the dispatcher: a decode step makes three a
 // layer, and narrow + view cost about 1 us each.
@@ -704,6 +731,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   at::Tensor in_w, post_attn_w, pre_mlp_w, post_mlp_w, q_w, k_w, cos, sin, key_cache,
       value_cache;
   at::Tensor q_buf, k_buf, attn_buf, act_buf;  // each layer's, reused by the next
+  at::Tensor q_cache_buf, k_cache_buf, v_cache_buf, attn_out_buf;  // kv_cache_dtype's copies
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t t0 = l * kTensorsPerLayer;
     const int64_t* in = ints.data() + l * kIntsPerLayer;
@@ -735,15 +763,21 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor& k_rot = reuse(k_buf, {tokens, kv_heads, dim}, qkv.options());
     rotary_into(positions, q, k, cos, sin, q_rot, k_rot);
     // a cache of another dtype (kv_cache_dtype): attention runs in it, as layers/attention.py
-    const at::ScalarType cache_type = key_cache.scalar_type();
-    const bool convert = cache_type != qkv.scalar_type();
-    const at::Tensor q_att = convert ? q_rot.to(cache_type) : q_rot;
-    write_kv_cache(convert ? k_rot.to(cache_type) : k_rot, convert ? v.to(cache_type) : v,
-                   key_cache, value_cache, slot_mapping);
-    at::Tensor& attn = reuse(attn_buf, {tokens, heads, dim}, qkv.options().dtype(cache_type));
+    const at::TensorOptions cache_options = qkv.options().dtype(key_cache.scalar_type());
+    const bool convert = key_cache.scalar_type() != qkv.scalar_type();
+    at::Tensor q_att = q_rot, k_att = k_rot, v_att = v;
+    if (convert) {
+      convert_rows(q_rot, q_att = reuse(q_cache_buf, {tokens, heads, dim}, cache_options));
+      convert_rows(k_rot, k_att = reuse(k_cache_buf, {tokens, kv_heads, dim}, cache_options));
+      convert_rows(v, v_att = reuse(v_cache_buf, {tokens, kv_heads, dim}, cache_options));
+    }
+    write_kv_cache(k_att, v_att, key_cache, value_cache, slot_mapping);
+    at::Tensor& attn = reuse(attn_buf, {tokens, heads, dim}, cache_options);
     attention_op().call(q_att, key_cache, value_cache, attn, cu_seqlens_q, seq_lens_k,
                         c10::nullopt, block_table, c10::nullopt, fl[1], in[3], 0, in[4], in[5]);
-    const at::Tensor attn_out = convert ? attn.to(qkv.scalar_type()) : attn;
+    at::Tensor attn_out = attn;
+    if (convert)
+      convert_rows(attn, attn_out = reuse(attn_out_buf, {tokens, heads, dim}, qkv.options()));
     hidden = linear(attn_out.view({tokens, q_size}), tensors, t0 + 14, in[7]);
     if (post_attn_w.defined()) hidden = rms_norm(hidden, post_attn_w, eps, offset);
     // MLP stage: norm, gate_up, activation * up, down, norm
