@@ -34,7 +34,7 @@ def chosen_logprobs(result):
     return [[entry[t].logprob for entry, t in zip(lps, ids)] for ids, lps in result]
 
 
-def test_a_bfloat16_cache_holds_twice_the_blocks_of_an_fp32_models(tiny_llama):
+def test_a_bfloat16_cache_holds_twice_the_blocks_of_an_fp32_one(tiny_llama):
     budget = 1 << 18  # 128 blocks of fp32 K/V: below what 4 sequences can use (513)
     _, auto = run(tiny_llama, kv_cache_memory_bytes=budget)
     _, half = run(tiny_llama, kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16")
