@@ -16,8 +16,11 @@ from pagedllm.json_config import config_dict
 from pagedllm.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedllm.spec_config import SpeculativeConfig, parse_speculative_config
 
-_DTYPES = ("auto", *FLOAT_DTYPES, "half", "float")
-_KV_CACHE_DTYPES = ("auto", *FLOAT_DTYPES, "bf16", "fp16", "half", "float")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+_DTYPES = ("auto", *FLOAT_DTYPES, *_DTYPE_ALIASES)
+# kv_cache_dtype also takes vLLM's short names
+_KV_CACHE_DTYPE_ALIASES = {**_DTYPE_ALIASES, "bf16": "bfloat16", "fp16": "float16"}
+_KV_CACHE_DTYPES = ("auto", *FLOAT_DTYPES, *_KV_CACHE_DTYPE_ALIASES)
 _CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # for a config.json that names no architecture
 QUANTIZATION_METHODS = ("int8", "int4", "gguf", "none")  # EngineArgs.quantization
@@ -658,14 +661,12 @@ def _max_model_len(hf_config: Any, requested: int | None) -> int:
 
 def _resolve_cache_dtype(name: str) -> str:
     """kv_cache_dtype as CacheConfig keeps it: "auto" or a FLOAT_DTYPES name."""
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    return aliases.get(name, name)
+    return _KV_CACHE_DTYPE_ALIASES.get(name, name)
 
 
 def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
-    aliases = {"half": "float16", "float": "float32"}
     if dtype != "auto":
-        return aliases.get(dtype, dtype)
+        return _DTYPE_ALIASES.get(dtype, dtype)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(config_dtype).replace("torch.", "") if config_dtype is not None else "float32"
     if name not in FLOAT_DTYPES:
