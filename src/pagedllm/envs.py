@@ -114,6 +114,12 @@ def PAGEDLLM_CPU_BF16_DOT_ATTENTION() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_BF16_DOT_ATTENTION", "1") != "0"
 
 
+def PAGEDLLM_CPU_AMX_ATTENTION() -> bool:  # noqa: N802
+    """The bf16 attention path's many-row products on AMX tiles where the CPU has AMX-BF16
+    (default on); 0 keeps them on vdpbf16ps, e.g. to A/B it."""
+    return os.environ.get("PAGEDLLM_CPU_AMX_ATTENTION", "1") != "0"
+
+
 def PAGEDLLM_CPU_FUSED_DECODER() -> bool:  # noqa: N802
     """Run a CPU model's decoder layers in one C++ call per step (default on; needs the fused
     ops); 0 runs them module by module in Python (the same kernels, the same results)."""

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from helpers.attention_reference import (
+    cpu_has_amx,
     cpu_has_bf16_dot,
     cu_seqlens,
     make_tensors,
@@ -152,16 +153,30 @@ def test_few_decode_sequences_split_their_keys_into_merged_chunks(impl, dtype, t
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-def test_bf16_prefill_tiles_score_as_a_gemm_within_tolerance(head_dim):
-    """Many query rows a tile (prefill chunks, GQA groups): keys transposed once, scores and
-    P @ V as small GEMMs (6 rows x 32 keys, 6 rows x 64 features); against the reference and
-    the vector path over causal and windowed chunks, key counts that leave a half group of 16
-    and chunks that end short of their keys, paged and contiguous."""
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def many_row_products(request):
+    """The bf16 path's many-row products on AMX tiles (where the CPU has them) or on
+    vdpbf16ps GEMM micro-kernels."""
     if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
     if not cpu_has_bf16_dot():
         pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path")
+    if request.param == "amx" and not cpu_has_amx():
+        pytest.skip("no AMX-BF16 on this CPU")
+    before = cpu_kernels.amx()
+    cpu_kernels.amx(request.param == "amx")
+    assert cpu_kernels.amx() == (request.param == "amx")
+    yield request.param
+    cpu_kernels.amx(before)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_bf16_prefill_tiles_score_as_a_gemm_within_tolerance(head_dim, many_row_products):
+    """Many query rows a tile (prefill chunks, GQA groups): keys transposed once, scores and
+    P @ V as small GEMMs (AMX tiles of 16 rows, or 6 rows x 32 keys and 6 rows x 64 features
+    on vdpbf16ps); against the reference and the vector path over causal and windowed chunks,
+    row counts that are no multiple of 16, key counts that leave a half group of 16 and chunks
+    that end short of their keys, paged and contiguous."""
     rng = random.Random(head_dim)
     for seed, window in enumerate([(-1, -1), (-1, -1), (37, -1), (50, 5)]):
         case = random_case(rng, (torch.bfloat16,), (head_dim,))
@@ -170,9 +185,14 @@ def test_bf16_prefill_tiles_score_as_a_gemm_within_tolerance(head_dim):
         case.k_lens = [rng.randint(40, 300) for _ in range(3)]
         case.q_lens = [k if i == 0 else rng.randint(17, k) for i, k in enumerate(case.k_lens)]
         case.causal, case.window = True, window
-        before = cpu_kernels.gemm_tiles()
+        before, amx_before = cpu_kernels.gemm_tiles(), cpu_kernels.amx_tiles()
         out, lse, want, want_lse = run_case("cpu", case, seed, 16 if seed % 2 else None)
         assert cpu_kernels.gemm_tiles() > before
+        amx_tiles = cpu_kernels.amx_tiles() - amx_before
+        if many_row_products == "amx":
+            assert amx_tiles == cpu_kernels.gemm_tiles() - before
+        else:
+            assert amx_tiles == 0
         try:
             cpu_kernels.bf16_dot(False)
             vector = run_case("cpu", case, seed, 16 if seed % 2 else None)[0]
@@ -181,6 +201,17 @@ def test_bf16_prefill_tiles_score_as_a_gemm_within_tolerance(head_dim):
         torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(out.float(), vector.float(), atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_amx_tiles_are_on_by_default_where_the_cpu_has_them():
+    """The kernel asks Linux for the tile state once; on a CPU with AMX-BF16 the many-row
+    products take the tiles unless PAGEDLLM_CPU_AMX_ATTENTION=0."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    if not cpu_has_amx():
+        assert not cpu_kernels.amx(True)  # nothing to turn on
+        return
+    assert cpu_kernels.amx()
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
@@ -279,7 +310,7 @@ def _shared_prefix_batch(rng, members, prefix_blocks, others, q_lens, window, bl
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads):
+def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads, many_row_products):
     """Decoding sequences whose tables begin with the same blocks (prefix caching's shared
     prompt): the prefix is attended by one item per set of up to 48 rows a kv group, merged with
     each sequence's own keys; out and lse as the reference's. 16 sequences of 3 rows: one set,
@@ -298,10 +329,15 @@ def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads):
         cases.append((6, 8, 1, [1, 1, 9, 1, 1, 1, 1], per_head))
         for members, prefix_blocks, others, q_lens, items in cases:
             q_lens = q_lens or [1] * (members + others)
+            amx_before = cpu_kernels.amx_tiles()
             out, lse, want, want_lse, ran = _shared_prefix_batch(
                 rng, members, prefix_blocks, others, q_lens, -1
             )
             assert ran == items
+            # sets of 16 rows or more multiply the prefix on AMX tiles where they are on
+            many_rows = 3 * members + (8 if q_lens[2] == 9 else 0) >= 16
+            amx_tiles = cpu_kernels.amx_tiles() - amx_before
+            assert (amx_tiles > 0) == (many_rows and many_row_products == "amx")
             torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
             torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
     finally:

@@ -116,3 +116,10 @@ def cpu_has_bf16_dot() -> bool:
     """Whether this CPU runs the C++ kernel's bf16 path on vdpbf16ps (AVX512-BF16 and friends)."""
     flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (the kernel's many-row products use them where
+    Linux also grants the process the tile state)."""
+    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    return cpu_has_bf16_dot() and {"amx_tile", "amx_bf16"} <= set(flags)

@@ -35,6 +35,8 @@ def load() -> bool:
     )
     if loaded and not envs.PAGEDLLM_CPU_BF16_DOT_ATTENTION():
         torch.ops.pagedllm_attention.bf16_dot(0)
+    if loaded and not envs.PAGEDLLM_CPU_AMX_ATTENTION():
+        torch.ops.pagedllm_attention.amx(0)
     return loaded
 
 
@@ -42,6 +44,19 @@ def bf16_dot(enable: bool | None = None) -> bool:
     """Whether bf16 attention runs on vdpbf16ps (the CPU has AVX512-BF16 and the path is
     on); ``enable`` turns the path on or off for the process first. load() must be True."""
     return bool(torch.ops.pagedllm_attention.bf16_dot(-1 if enable is None else int(enable)))
+
+
+def amx(enable: bool | None = None) -> bool:
+    """Whether the bf16 path's many-row products (prefill tiles, shared prefixes) run on AMX
+    tiles (the CPU has AMX-BF16 and Linux grants this process the tile state, and they are
+    on); ``enable`` turns them on or off for the process first. load() must be True."""
+    return bool(torch.ops.pagedllm_attention.amx(-1 if enable is None else int(enable)))
+
+
+def amx_tiles() -> int:
+    """Key tiles whose many-row products ran on AMX tiles so far in this process.
+    load() must be True."""
+    return int(torch.ops.pagedllm_attention.amx_tiles())
 
 
 def split_merges() -> int:

@@ -32,7 +32,10 @@
 #include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
@@ -706,12 +709,44 @@ struct Lanes16 {
 // the transpose (one pass over the tile) serves enough rows; below, dot_scores16.
 constexpr int kManyRows = 16;
 
+// out[j][i] = rows[i][j] for 16 rows of 16 dwords (out rows `stride` dwords apart): pairs of
+// rows interleaved by dwords, then by quadwords (each 128-bit lane then holds 4 rows of one
+// column), then the lanes of 4 such vectors gathered into whole columns.
+BF16_DOT inline void transpose16(const uint32_t* const* rows, uint32_t* out, int64_t stride) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i]);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: rows 4i..4i+3 of column 4L + k
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[k], r[4 + k], kEven);
+    const __m512i x1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], kEven);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[k], r[4 + k], kOdd);
+    const __m512i x3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], kOdd);
+    _mm512_storeu_si512(out + (int64_t)k * stride, _mm512_shuffle_i32x4(x0, x1, kEven));
+    _mm512_storeu_si512(out + (int64_t)(4 + k) * stride, _mm512_shuffle_i32x4(x2, x3, kEven));
+    _mm512_storeu_si512(out + (int64_t)(8 + k) * stride, _mm512_shuffle_i32x4(x0, x1, kOdd));
+    _mm512_storeu_si512(out + (int64_t)(12 + k) * stride, _mm512_shuffle_i32x4(x2, x3, kOdd));
+  }
+}
+
+// kt[f][c] = pair f of key c, in blocks of 16 keys x 16 pairs (dim is a multiple of 32).
 BF16_DOT inline void transpose_keys(const c10::BFloat16* const* krow, int n_pad, int dim,
                                     uint32_t* kt) {
-  for (int c = 0; c < n_pad; ++c) {
-    const auto* row = reinterpret_cast<const uint32_t*>(krow[c]);
-    for (int f = 0; f < dim / 2; ++f) kt[(int64_t)f * n_pad + c] = row[f];
-  }
+  const uint32_t* rows[16];
+  for (int c = 0; c < n_pad; c += 16)
+    for (int f = 0; f < dim / 2; f += 16) {
+      for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(krow[c + i]) + f;
+      transpose16(rows, kt + (int64_t)f * n_pad + c, n_pad);
+    }
 }
 
 template <int R, int NK>
@@ -856,6 +891,154 @@ BF16_DOT void gemm_pv_rows(const uint32_t* pairs, int pair_stride, int rows, con
     });
 }
 
+// ---- AMX tiles for the many-row products ----------------------------------------------------
+// Where the CPU has AMX-BF16 (and Linux grants this process the tile state), the many-row
+// products run on tiles: one tdpbf16ps multiplies 16 rows x 32 bf16 features of A by 32
+// features x 16 columns of B stored in pairs (16 rows of 64 bytes), adding into 16 x 16 fp32
+// sums, a 16th of what 16 rows x 64 keys cost in vdpbf16ps. Both operands are already laid
+// out so: scores take the queries as A and the transposed keys (kt) as B, P @ V the
+// probabilities' pairs as A and the interleaved values (vt) as B, so the sums come out in the
+// vector path's orders. Rows go in blocks of 16, the last block shifted back to end at the
+// last row (its first rows computed twice and stored once); tiles 0-3 hold sums, 4 A, 5-7 B.
+#define AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the tile data state granted to
+// this process (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool cpu_has_amx() {
+  unsigned a, b, c, d;
+  if (!cpu_has_bf16_dot() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes. GCC 12's tile intrinsics do not name the memory they read
+// or write: the configuration goes in as a whole operand, and the callers fence the
+// compiler's memory order around the tiles (memory_order_for_tiles).
+AMX_BF16 void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+
+AMX_BF16 void amx_release() { _tile_release(); }
+
+inline void memory_order_for_tiles() { asm volatile("" : : : "memory"); }
+
+std::atomic<int64_t> amx_key_tiles{0};  // key tiles multiplied on AMX (amx_tiles())
+bool amx_enabled();
+
+// The next block of 16 rows after `done` of `rows` (>= 16): starts at min(done, rows - 16).
+inline int block_start(int done, int rows) { return std::min(done, rows - 16); }
+
+// Up to 4 tiles of sums (NT of them) as fp32 [16][64] in `c`.
+template <int NT>
+AMX_BF16 inline void store_sums(float (*c)[64]) {
+  _tile_stored(0, &c[0][0], 64 * sizeof(float));
+  if constexpr (NT > 1) _tile_stored(1, &c[0][16], 64 * sizeof(float));
+  if constexpr (NT > 2) _tile_stored(2, &c[0][32], 64 * sizeof(float));
+  if constexpr (NT > 3) _tile_stored(3, &c[0][48], 64 * sizeof(float));
+}
+
+template <int NT>
+AMX_BF16 inline void zero_sums() {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+}
+
+// c[16][16 * NT] = A (16 rows of `a_bytes`, `steps` x 32 features from a) x B (step i's tile
+// at b + i * b_step, column tile t at + 16 t dwords, rows b_bytes apart).
+template <int NT>
+AMX_BF16 void amx_block(const void* a, int64_t a_bytes, const uint32_t* b, int64_t b_step,
+                        int64_t b_bytes, int steps, float (*c)[64]) {
+  memory_order_for_tiles();
+  zero_sums<NT>();
+  for (int i = 0; i < steps; ++i) {
+    const uint32_t* bs = b + i * b_step;
+    _tile_loadd(4, static_cast<const char*>(a) + i * 64, a_bytes);
+    _tile_loadd(5, bs, b_bytes);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NT > 1) {
+      _tile_loadd(6, bs + 16, b_bytes);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(7, bs + 32, b_bytes);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(5, bs + 48, b_bytes);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  store_sums<NT>(c);
+  memory_order_for_tiles();
+}
+
+AMX_BF16 void amx_block_nt(int nt, const void* a, int64_t a_bytes, const uint32_t* b,
+                           int64_t b_step, int64_t b_bytes, int steps, float (*c)[64]) {
+  switch (nt) {
+    case 1: return amx_block<1>(a, a_bytes, b, b_step, b_bytes, steps, c);
+    case 2: return amx_block<2>(a, a_bytes, b, b_step, b_bytes, steps, c);
+    case 3: return amx_block<3>(a, a_bytes, b, b_step, b_bytes, steps, c);
+    default: return amx_block<4>(a, a_bytes, b, b_step, b_bytes, steps, c);
+  }
+}
+
+// gemm_score_rows on tiles: s[r][c] = scale * <q[r], k[c]> for rows >= 16.
+AMX_BF16 void amx_score_rows(const uint16_t* q, int rows, int dim, const uint32_t* kt,
+                             int n_pad, float scale, float* s) {
+  alignas(64) float c[16][64];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int done = 0; done < rows;) {
+    const int r0 = block_start(done, rows);
+    for (int c0 = 0; c0 < n_pad; c0 += 64) {
+      const int nt = std::min(4, (n_pad - c0) / 16);
+      // A: 32 features of 16 queries a step; B: 16 pairs of features x 16 keys, from kt[16 i]
+      amx_block_nt(nt, q + (int64_t)r0 * dim, dim * 2, kt + c0, 16 * (int64_t)n_pad, n_pad * 4,
+                   dim / 32, c);
+      for (int i = done - r0; i < 16; ++i)
+        for (int t = 0; t < nt; ++t)
+          _mm512_storeu_ps(s + (int64_t)(r0 + i) * n_pad + c0 + 16 * t,
+                           _mm512_mul_ps(_mm512_load_ps(&c[i][16 * t]), sc));
+    }
+    done = r0 + 16;
+  }
+}
+
+// gemm_pv_rows on tiles: o[r] = o[r] * alpha[r] + P[r] V for rows >= 16. A step takes 32 keys
+// (16 pairs); a tile of an odd number of 16 keys has vt's pairs beyond it zero and pairs'
+// rows readable beyond their last (finite values: they meet the zeros).
+AMX_BF16 void amx_pv_rows(const uint32_t* pairs, int pair_stride, int rows, const uint32_t* vt,
+                          int n_pad, const float* alpha, float* o, int dim) {
+  alignas(64) float c[16][64];
+  for (int done = 0; done < rows;) {
+    const int r0 = block_start(done, rows);
+    for (int d = 0; d < dim; d += 64) {
+      const int nt = std::min(4, (dim - d) / 16);
+      // A: 16 pairs of keys of 16 rows a step; B: 16 pairs of V rows x 16 outputs
+      amx_block_nt(nt, pairs + (int64_t)r0 * pair_stride, pair_stride * 4, vt + d,
+                   16 * (int64_t)dim, dim * 4, (n_pad + 31) / 32, c);
+      for (int i = done - r0; i < 16; ++i) {
+        const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
+        float* orow = o + (int64_t)(r0 + i) * dim + d;
+        for (int t = 0; t < nt; ++t)
+          _mm512_storeu_ps(orow + 16 * t, _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * t), a,
+                                                          _mm512_load_ps(&c[i][16 * t])));
+      }
+    }
+    done = r0 + 16;
+  }
+}
+
 // One key tile (n valid keys of n_pad, a multiple of 16) for the item's H kv heads. Memory is
 // walked in slot order: each group of 16 keys is scored for every head before the next group
 // (a slot's heads are adjacent), and P @ V goes over groups of 32 keys the same way, so the
@@ -866,14 +1049,21 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
   const auto* krow = reinterpret_cast<const c10::BFloat16* const*>(w.krow.data());
   const auto* vrow = reinterpret_cast<const c10::BFloat16* const*>(w.vrow.data());
   const int64_t head_s = (int64_t)rows * n_pad, head_q = (int64_t)rows * D;
+  const bool tiles = rows >= kManyRows && amx_enabled();
+  if (tiles) {
+    amx_key_tiles.fetch_add(1, std::memory_order_relaxed);
+    amx_configure();
+  }
   if (rows >= kManyRows) {
     many_row_tiles.fetch_add(1, std::memory_order_relaxed);
     w.kt.resize((size_t)D / 2 * n_pad);
     for (int h = 0; h < H; ++h) {
       next.prefetch_share(h, 1, H);
       transpose_keys(krow + h * n_pad, n_pad, D, w.kt.data());
-      gemm_score_rows(w.qb.data() + h * head_q, rows, D, w.kt.data(), n_pad, p.scale,
-                      w.s.data() + h * head_s);
+      const uint16_t* q = w.qb.data() + h * head_q;
+      float* s = w.s.data() + h * head_s;
+      if (tiles) amx_score_rows(q, rows, D, w.kt.data(), n_pad, p.scale, s);
+      else gemm_score_rows(q, rows, D, w.kt.data(), n_pad, p.scale, s);
     }
   } else {
     for (int c = 0; c < n_pad; c += 16) {
@@ -896,13 +1086,19 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
       to_pairs(s + (int64_t)r * n_pad, n_pad, w.pb.data() + (h * rows + r) * (int64_t)pair_stride);
   }
   if (rows >= kManyRows) {
-    w.vt.resize((size_t)n_pad / 2 * D);
+    // tiles step 32 keys: an odd 16 meets zero pairs of V
+    const int v_pairs = tiles ? (n_pad + 31) / 32 * 16 : n_pad / 2;
+    w.vt.resize((size_t)v_pairs * D);
+    std::fill(w.vt.begin() + (int64_t)n_pad / 2 * D, w.vt.begin() + (int64_t)v_pairs * D, 0u);
     for (int h = 0; h < H; ++h) {
       const int64_t row = (int64_t)h * rows;
       interleave_values(vrow + h * n_pad, n_pad, D, w.vt.data());
-      gemm_pv_rows(w.pb.data() + row * pair_stride, pair_stride, rows, w.vt.data(), n_pad,
-                   w.alpha.data() + row, w.o.data() + row * D, D);
+      const uint32_t* pairs = w.pb.data() + row * pair_stride;
+      float *alpha = w.alpha.data() + row, *o = w.o.data() + row * D;
+      if (tiles) amx_pv_rows(pairs, pair_stride, rows, w.vt.data(), n_pad, alpha, o, D);
+      else gemm_pv_rows(pairs, pair_stride, rows, w.vt.data(), n_pad, alpha, o, D);
     }
+    if (tiles) amx_release();
     return;
   }
   for (int c = 0; c < n_pad; c += 32) {
@@ -933,7 +1129,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   w.m.assign((size_t)H * rows, kNegInf);
   w.l.assign((size_t)H * rows, 0.0f);
   w.s.resize((size_t)H * rows * n_pad);
-  w.pb.resize((size_t)H * rows * n_pad / 2);
+  w.pb.resize((size_t)H * rows * n_pad / 2 + 16);  // + what AMX tiles read past the last row
   w.alpha.resize((size_t)H * rows);
   w.pos.resize(rows);
   w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad);
@@ -1259,6 +1455,27 @@ bool bf16_dot(int64_t enable) {
   return bf16_dot_enabled();
 }
 
+#if HAVE_BF16_DOT
+std::atomic<bool>& amx_flag() {
+  static std::atomic<bool> flag{cpu_has_amx()};
+  return flag;
+}
+
+bool amx_enabled() { return amx_flag().load(std::memory_order_relaxed); }
+
+// AMX tiles for the many-row products: -1 asks, 0 / 1 turn them off / on (on only where the
+// CPU has them and this process may use them).
+bool amx(int64_t enable) {
+  if (enable >= 0) amx_flag() = enable > 0 && cpu_has_amx();
+  return amx_enabled();
+}
+
+int64_t amx_tiles() { return amx_key_tiles.load(); }
+#else
+bool amx(int64_t) { return false; }
+int64_t amx_tiles() { return 0; }
+#endif
+
 int64_t split_merges() { return merged_groups.load(); }
 int64_t gemm_tiles() { return many_row_tiles.load(); }
 int64_t shared_prefix_items() { return shared_items.load(); }
@@ -1346,6 +1563,8 @@ TORCH_LIBRARY(pagedllm_attention, m) {
       "float scale, int window_left, int window_right, int block_m, int block_n) -> ()",
       &varlen_attention);
   m.def("bf16_dot(int enable) -> bool", &bf16_dot);
+  m.def("amx(int enable) -> bool", &amx);
+  m.def("amx_tiles() -> int", &amx_tiles);
   m.def("split_merges() -> int", &split_merges);
   m.def("gemm_tiles() -> int", &gemm_tiles);
   m.def("shared_prefix_items() -> int", &shared_prefix_items);
