@@ -74,6 +74,17 @@ def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def _bf16_llm(model_factory, enable_prefix_caching: bool) -> LLM:
+    """A tiny Llama in bf16 with head_dim 32 (the vdpbf16ps path: dim % 32 == 0)."""
+    return LLM(
+        str(model_factory("llama", head_dim=32)),
+        dtype="bfloat16",
+        block_size=16,
+        kv_cache_memory_bytes=4 << 20,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
 def test_decode_over_a_cached_shared_prefix_attends_it_once(model_factory):
     """bf16, six prompts behind one 80-token prefix that an earlier request left in the prefix
     cache: their block tables share its 5 blocks, so each decode step attends that prefix in
@@ -89,13 +100,7 @@ def test_decode_over_a_cached_shared_prefix_attends_it_once(model_factory):
     prompts = [prefix + [rng.randrange(3, 320) for _ in range(n)] for n in (3, 7, 12, 1, 20, 9)]
     outputs = {}
     for caching in (True, False):
-        llm = LLM(
-            str(model_factory("llama", head_dim=32)),  # the vdpbf16ps path: dim % 32 == 0
-            dtype="bfloat16",
-            block_size=16,
-            kv_cache_memory_bytes=4 << 20,
-            enable_prefix_caching=caching,
-        )
+        llm = _bf16_llm(model_factory, caching)
         pagedllm_greedy(llm, prefix + [5], 2)  # leaves the prefix's blocks in the cache
         before = cpu_kernels.shared_prefix_items()
         outputs[caching] = greedy_batch(llm, prompts, 12)
@@ -107,6 +112,29 @@ def test_decode_over_a_cached_shared_prefix_attends_it_once(model_factory):
             assert ran == 0
     for a, b in zip(outputs[True], outputs[False], strict=True):
         check_logprobs_close(a, b, ("shared prefix", "no prefix cache"))
+
+
+def test_prompts_arriving_together_compute_their_shared_prefix_once(model_factory):
+    """Six prompts behind one 80-token prefix that nobody has computed yet, submitted together:
+    the first computes the prefix's 5 blocks, the other five wait a step for them (the
+    scheduler's count) and hit them in the prefix cache, 80 tokens each, rather than all six
+    computing it in the same step. Greedy outputs as the same engine's without the prefix
+    cache, by vLLM's criterion."""
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 320) for _ in range(80)]
+    prompts = [prefix + [rng.randrange(3, 320) for _ in range(n)] for n in (3, 7, 12, 1, 20, 9)]
+    outputs = {}
+    for caching in (True, False):
+        llm = _bf16_llm(model_factory, caching)
+        outputs[caching] = greedy_batch(llm, prompts, 8)
+        engine = llm.llm_engine
+        if caching:
+            assert engine.block_manager.prefix_cache_hits == 5 * 80
+            assert engine.scheduler.num_prefix_waits == 5
+        else:
+            assert engine.scheduler.num_prefix_waits == 0
+    for a, b in zip(outputs[True], outputs[False], strict=True):
+        check_logprobs_close(a, b, ("prefix computed once", "no prefix cache"))
 
 
 def greedy_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[GreedyOutput]:

@@ -135,3 +135,60 @@ def test_prompt_larger_than_cache_is_rejected_up_front():
         assert "never fit" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_prompts_sharing_an_uncomputed_prefix_wait_for_the_first_to_compute_it():
+    """Three prompts behind one 12-token prefix (3 blocks of 4) arrive together, with a fourth
+    that shares nothing: the first computes the prefix, the other two wait a step (skipped,
+    the fourth runs meanwhile) and then find its blocks cached instead of computing them."""
+    sched = make_scheduler(max_tokens=64)
+    prefix = list(range(100, 112))
+    sharing = [make_seq(i, prefix + [i, i + 1], max_tokens=2, ignore_eos=True) for i in range(3)]
+    other = make_seq(3, range(200, 214), max_tokens=2, ignore_eos=True)
+    for seq in [*sharing, other]:
+        sched.add(seq)
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 14), (3, 14)]
+    assert sched.num_prefix_waits == 2
+    assert [s.seq_id for s in sched.waiting] == [1, 2]  # their place in the queue kept
+    sched.update(out, {0: [7], 3: [7]})
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [
+        (0, 1),
+        (3, 1),
+        (1, 2),
+        (2, 2),
+    ]
+    assert sharing[1].num_cached_tokens == sharing[2].num_cached_tokens == 12
+    assert sched.block_manager.prefix_cache_hits == 24
+    assert sched.num_prefix_waits == 2
+    drive(sched)
+    assert all(s.output_token_ids == [7, 7] for s in [*sharing, other])
+
+
+def test_a_prefix_wait_lasts_while_a_chunked_prefill_computes_it():
+    """A 40-token shared prefix and a budget of 16: the first prompt's chunks take the whole
+    budget twice; its last chunk (10 tokens) leaves room, but the second prompt's first
+    missing block is in that chunk, so it waits once more, then computes only its own last
+    2 tokens."""
+    sched = make_scheduler(max_tokens=16)
+    prefix = list(range(100, 140))
+    a = make_seq(0, prefix + [1, 2], max_tokens=1, ignore_eos=True)
+    b = make_seq(1, prefix + [3, 4], max_tokens=1, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    computed_by_b = []
+    while b.num_computed_tokens == 0 or not computed_by_b:
+        out = sched.schedule()
+        computed_by_b += [s.num_new_tokens for s in out.scheduled if s.seq is b]
+        sched.update(out, {s.seq.seq_id: [7] for s in out.scheduled if s.samples})
+    assert computed_by_b == [2] and b.num_cached_tokens == 40
+    assert sched.num_prefix_waits == 1
+
+
+def test_without_prefix_caching_nobody_waits_for_a_prefix():
+    sched = make_scheduler(max_tokens=64, caching=False)
+    prefix = list(range(100, 112))
+    for i in range(3):
+        sched.add(make_seq(i, prefix + [i], max_tokens=1, ignore_eos=True))
+    assert len(sched.schedule().scheduled) == 3 and sched.num_prefix_waits == 0

@@ -90,7 +90,7 @@ def test_drafts_are_cut_to_budget_and_max_tokens() -> None:
 def test_no_preemption_for_drafts() -> None:
     # 4 blocks of 4: two sequences of 7 tokens each hold 2 blocks; drafts would need a third
     sched = make(num_blocks=4)
-    seqs = [make_seq(i, [1, 2, 3, 4, 5, 6], max_tokens=4) for i in range(2)]
+    seqs = [make_seq(i, [10 * i + t for t in range(1, 7)], max_tokens=4) for i in range(2)]
     for s in seqs:
         sched.add(s)
     sched.update(sched.schedule(), {0: [7], 1: [7]}, {0: [8, 9], 1: [8, 9]})

@@ -11,6 +11,12 @@ Speculative decoding: a decoding sequence that carries draft tokens (``spec_toke
 scheduled for 1 + k tokens, its own last token and the drafts, within the same budget and
 block allocation. After the step only the accepted drafts keep their KV: ``num_computed_tokens``
 moves back to them and the blocks past them are freed (see ``update``).
+
+Prompts that share a prefix nobody has computed yet (requests behind one system prompt,
+arriving together): a waiting sequence whose first block missing from the prefix cache is one
+that a running prefill is computing waits for it, skipped in the queue like an ``n > 1``
+sibling, and finds the block cached a step later instead of computing it again (SGLang's
+in-batch prefix caching). ``num_prefix_waits`` counts those skips.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class Scheduler:
         self.num_preemptions = 0  # cumulative
         self._finished_ids: list[int] = []  # for the next non-empty SchedulerOutput
         self.num_prefill_chunks = 0  # cumulative: prompt pieces that stopped short of its end
+        self.num_prefix_waits = 0  # cumulative: steps a sequence waited for a prefix in progress
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -204,6 +211,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, limit: int) -> None:
         bm = self.block_manager
         skipped: list[Sequence] = []
+        in_progress: set[int] | None = None  # hashes of prompt blocks that prefills compute
         while (
             self.waiting
             and budget > 0
@@ -215,6 +223,13 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             cached = bm.find_cached_blocks(seq) if self._may_use_cache(seq) else []
+            if self._may_use_cache(seq) and len(cached) < len(seq.block_hashes):
+                if in_progress is None:
+                    in_progress = self._prefix_blocks_in_progress()
+                if seq.block_hashes[len(cached)] in in_progress:
+                    self.num_prefix_waits += 1
+                    skipped.append(self.waiting.popleft())
+                    continue
             num_cached = len(cached) * bm.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
@@ -235,7 +250,23 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+            if in_progress is not None:
+                in_progress.update(self._uncomputed_prompt_blocks(seq))
         self.waiting.extendleft(reversed(skipped))
+
+    def _prefix_blocks_in_progress(self) -> set[int]:
+        """Hashes of the full prompt blocks that running prefills have not computed yet
+        (this step computes some of them; cache_full_blocks registers them after it)."""
+        pending: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens and self._may_use_cache(seq):
+                pending.update(self._uncomputed_prompt_blocks(seq))
+        return pending
+
+    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list[int]:
+        bs = self.block_manager.block_size
+        self.block_manager.update_block_hashes(seq)
+        return seq.block_hashes[seq.num_computed_tokens // bs : seq.num_prompt_tokens // bs]
 
     def _lora_slots_full(self, seq: Sequence) -> bool:
         """A sequence of an adapter not running yet waits while max_loras adapters run: every
