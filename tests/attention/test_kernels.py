@@ -312,10 +312,13 @@ def _shared_prefix_batch(rng, members, prefix_blocks, others, q_lens, window, bl
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads, many_row_products):
     """Decoding sequences whose tables begin with the same blocks (prefix caching's shared
-    prompt): the prefix is attended by one item per set of up to 48 rows a kv group, merged with
-    each sequence's own keys; out and lse as the reference's. 16 sequences of 3 rows: one set,
-    whole-head items (1 item); 5 of them among 7 (on 2 threads an item per kv head: 3); 40:
-    sets of 16, 16, 8 (3); a prefill chunk among the members (9 query rows, one tile) joins."""
+    prompt): the prefix is attended by one item per set and kv group, merged with each
+    sequence's own keys; out and lse as the reference's. Sets: as many as 48 rows a kv head
+    need, a multiple of the threads where each keeps 16 rows. 16 sequences of 3 rows: one set
+    on 1 thread, two of 8 sequences on 2 (whole-head items: 1 or 2 items); 5 of them among 7
+    (15 rows, one set; on 2 threads an item per kv head: 3); 40: sets of 14, 14, 12 on 1
+    thread (3), of 10 on 2 (4); a prefill chunk among 6 members (9 query rows, one tile; 42
+    rows): one set on 1 thread, two on 2 (items per kv head: 6)."""
     if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
     if not cpu_has_bf16_dot():
@@ -324,9 +327,11 @@ def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads, many
     torch.set_num_threads(threads)
     rng = random.Random(threads)
     try:
-        per_head = 3 if threads == 2 else 1  # 7 tiles: items per kv head on 2 threads
-        cases = [(16, 16, 0, None, 1), (5, 5, 2, None, per_head), (40, 10, 3, None, 3)]
-        cases.append((6, 8, 1, [1, 1, 9, 1, 1, 1, 1], per_head))
+        two = threads == 2
+        per_head = 3 if two else 1  # 7 tiles: items per kv head on 2 threads
+        cases = [(16, 16, 0, None, 2 if two else 1), (5, 5, 2, None, per_head)]
+        cases.append((40, 10, 3, None, 4 if two else 3))
+        cases.append((6, 8, 1, [1, 1, 9, 1, 1, 1, 1], 2 * per_head if two else 1))
         for members, prefix_blocks, others, q_lens, items in cases:
             q_lens = q_lens or [1] * (members + others)
             amx_before = cpu_kernels.amx_tiles()

@@ -1402,26 +1402,34 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
       }
     }
   }
-  // The shared sets: consecutive members of one prefix, up to kSharedRows rows a kv head;
-  // an item per set and kv group.
+  // The shared sets: consecutive members of one prefix, an item per set and kv group. A
+  // prefix's rows go in as many sets as kSharedRows rows a kv head need, made a multiple of
+  // the threads where each set keeps 16 rows (a tile), members added to a set until it has
+  // its share: 40 sequences of 3 rows in 3 sets of 48 left one thread two sets' work while
+  // the other had one.
   const std::vector<int>& member = splits.member_seq;
   const int members = (int)member.size();
+  auto member_rows = [&](int i) { return (p.cu_q[member[i] + 1] - p.cu_q[member[i]]) * G; };
   for (int i = 0; i < members;) {
     const int lead = member[i];
-    int j = i, rows = 0;
-    while (j < members && p.table[member[j] * p.table_stride] == p.table[lead * p.table_stride]) {
-      const int mine = (p.cu_q[member[j] + 1] - p.cu_q[member[j]]) * G;
-      if (j > i && rows + mine > kSharedRows) break;
-      rows += mine;
-      ++j;
+    int end = i, total = 0;
+    while (end < members &&
+           p.table[member[end] * p.table_stride] == p.table[lead * p.table_stride])
+      total += member_rows(end++);
+    int64_t sets = (total + kSharedRows - 1) / kSharedRows;
+    const int64_t balanced = (sets + threads - 1) / threads * threads;
+    if (total >= 16 * balanced) sets = balanced;
+    const int cap = (int)((total + sets - 1) / sets);
+    for (int j = i; i < end; i = j) {
+      int rows = 0;
+      for (; j < end && rows < cap; ++j) rows += member_rows(j);
+      splits.sets.push_back({i, j - i, prefix[lead], rows});
+      for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item) {
+        Item item{lead, 0, kv, rows / G * prefix[lead], 0, prefix[lead]};
+        item.shared = (int)splits.sets.size() - 1;
+        items.push_back(item);
+      }
     }
-    splits.sets.push_back({i, j - i, prefix[lead], rows});
-    for (int kv = 0; kv < p.kv_heads; kv += p.kv_per_item) {
-      Item item{lead, 0, kv, rows / G * prefix[lead], 0, prefix[lead]};
-      item.shared = (int)splits.sets.size() - 1;
-      items.push_back(item);
-    }
-    i = j;
   }
   if (!splits.groups.empty()) {
     splits.pending = std::make_unique<std::atomic<int>[]>(splits.groups.size());
