@@ -222,8 +222,9 @@ class Scheduler:
             if self._waits_for_leader(seq) or self._lora_slots_full(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = bm.find_cached_blocks(seq) if self._may_use_cache(seq) else []
-            if self._may_use_cache(seq) and len(cached) < len(seq.block_hashes):
+            caching = self._may_use_cache(seq)
+            cached = bm.find_cached_blocks(seq) if caching else []
+            if caching and len(cached) < len(seq.block_hashes):
                 if in_progress is None:
                     in_progress = self._prefix_blocks_in_progress()
                 if seq.block_hashes[len(cached)] in in_progress:
@@ -243,7 +244,7 @@ class Scheduler:
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
                 # n > 1: the prompt is looked up once, by the first sample (vLLM counts so).
-                if self._may_use_cache(seq) and seq.prompt_leader is None:
+                if caching and seq.prompt_leader is None:
                     bm.record_prefix_lookup(seq.num_tokens, num_cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

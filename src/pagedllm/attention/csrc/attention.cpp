@@ -552,6 +552,7 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
 // that took the many-rows products (gemm_tiles()), shared-prefix items (shared_prefix_items())
 // and the keys the tiles computed, padded (tile_keys()).
 std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
+std::atomic<int64_t> amx_key_tiles{0};  // key tiles multiplied on AMX (amx_tiles())
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
 // and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
@@ -931,7 +932,6 @@ AMX_BF16 void amx_release() { _tile_release(); }
 
 inline void memory_order_for_tiles() { asm volatile("" : : : "memory"); }
 
-std::atomic<int64_t> amx_key_tiles{0};  // key tiles multiplied on AMX (amx_tiles())
 bool amx_enabled();
 
 // The next block of 16 rows after `done` of `rows` (>= 16): starts at min(done, rows - 16).
@@ -1186,6 +1186,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
 }
 #else
 bool cpu_has_bf16_dot() { return false; }
+bool cpu_has_amx() { return false; }
 void attend_bf16_dot(const Problem&, const Item&, const Item*, Scratch&) {}
 #endif
 
@@ -1450,39 +1451,28 @@ std::vector<Item> make_items(Problem& p, int64_t batch, Splits& splits) {
   return items;
 }
 
-std::atomic<bool>& bf16_dot_flag() {
-  static std::atomic<bool> flag{cpu_has_bf16_dot()};
-  return flag;
-}
+// A path that runs where the CPU has it (Has), on by default there: set(-1) asks, set(0) /
+// set(1) turn it off / on (on only where Has says so).
+template <bool (*Has)()>
+struct CpuPath {
+  static std::atomic<bool>& flag() {
+    static std::atomic<bool> on{Has()};
+    return on;
+  }
+  static bool enabled() { return flag().load(std::memory_order_relaxed); }
+  static bool set(int64_t enable) {
+    if (enable >= 0) flag() = enable > 0 && Has();
+    return enabled();
+  }
+};
 
-bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed); }
-
-// The bf16-dot path: -1 asks, 0 / 1 turn it off / on (on only where the CPU has it).
-bool bf16_dot(int64_t enable) {
-  if (enable >= 0) bf16_dot_flag() = enable > 0 && cpu_has_bf16_dot();
-  return bf16_dot_enabled();
-}
-
-#if HAVE_BF16_DOT
-std::atomic<bool>& amx_flag() {
-  static std::atomic<bool> flag{cpu_has_amx()};
-  return flag;
-}
-
-bool amx_enabled() { return amx_flag().load(std::memory_order_relaxed); }
-
-// AMX tiles for the many-row products: -1 asks, 0 / 1 turn them off / on (on only where the
-// CPU has them and this process may use them).
-bool amx(int64_t enable) {
-  if (enable >= 0) amx_flag() = enable > 0 && cpu_has_amx();
-  return amx_enabled();
-}
+// The bf16-dot path, and AMX tiles for its many-row products (where this process may use them).
+bool bf16_dot_enabled() { return CpuPath<cpu_has_bf16_dot>::enabled(); }
+bool bf16_dot(int64_t enable) { return CpuPath<cpu_has_bf16_dot>::set(enable); }
+bool amx_enabled() { return CpuPath<cpu_has_amx>::enabled(); }
+bool amx(int64_t enable) { return CpuPath<cpu_has_amx>::set(enable); }
 
 int64_t amx_tiles() { return amx_key_tiles.load(); }
-#else
-bool amx(int64_t) { return false; }
-int64_t amx_tiles() { return 0; }
-#endif
 
 int64_t split_merges() { return merged_groups.load(); }
 int64_t gemm_tiles() { return many_row_tiles.load(); }
