@@ -164,19 +164,21 @@ def test_gated_activations_match_torch(monkeypatch, dtype, op, kernel) -> None:
     torch.testing.assert_close(got, want, **tol)
 
 
-def test_silu_and_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_loop() -> None:
-    """bf16 rows of 16 or more features run 16 at a time where the build has AVX-512; a row of
-    one feature runs the scalar loop. The same values (exp's clamped range, signed zeros, NaN,
-    infinities) either way give the same bits."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_loop(dtype) -> None:
+    """bf16 rows of 16 or more features run 16 at a time where the build has AVX-512, fp32
+    rows 8 at a time where it has AVX2; a row of one feature runs the scalar loop. The same
+    values (exp's clamped range, signed zeros, NaN, infinities) either way give the same bits."""
     torch.manual_seed(0)
     special = [-100.0, 100.0, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 87.0, -87.0,
                88.5, -1e-30, 1e-30, 3e38, -3e38, 0.5, -0.5]  # fmt: skip
-    gate = torch.cat([torch.randn(2032) * 8, torch.tensor(special)]).to(torch.bfloat16)
-    up = torch.randn(gate.numel()).to(torch.bfloat16)
+    gate = torch.cat([torch.randn(2032) * 8, torch.tensor(special)]).to(dtype)
+    up = torch.randn(gate.numel()).to(dtype)
     with torch.inference_mode():
         lanes = cpu_fused.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
         scalar = cpu_fused.silu_and_mul(torch.stack([gate, up], dim=1))[:, 0]
-    assert torch.equal(lanes.view(torch.int16), scalar.view(torch.int16))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(lanes.view(bits), scalar.view(bits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,7 +14,7 @@ from helpers.generation import random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import cpu_fused
-from pagedllm.layers.quantization import DynamicQuantConfig
+from pagedllm.layers.quantization import DynamicQuantConfig, GroupKernel, WeightOnlyKernel
 from pagedllm.worker.cpu_decoder import CpuFusedDecoder
 
 # int8 x int8 in every linear (the C++ int8 kernel); "int8" and "int4" are the engine's own
@@ -115,8 +115,9 @@ def test_fused_layers_equal_the_python_layers(
 def test_weight_only_products_run_in_the_fused_decoder(model_factory, quantization, bits):
     """The default int8 (down_proj weight-only int8) and int4 (every linear weight-only)
     build the fused decoder, whose weight-only linears carry -(form + bits) as their level:
-    form 128 (one row of x as two int8 parts) where the CPU runs int8 activations, else 0."""
-    from pagedllm.layers import panel_gemm
+    form 128 (x as two int8 parts) where the layer runs int8 activations (in panels on
+    AVX512-VNNI, by rows in groups of 32 on AVX2), else 0."""
+    from pagedllm.layers import weight_only
 
     llm = LLM(str(model_factory("llama")), dtype="float32", quantization=quantization)
     runner = llm.llm_engine.executor.local_runner
@@ -124,8 +125,12 @@ def test_weight_only_products_run_in_the_fused_decoder(model_factory, quantizati
     levels = runner.fast_path.operands.ints
     per_layer = len(levels) // runner.model.config.num_hidden_layers
     linear_levels = [lv for i, lv in enumerate(levels) if 6 <= i % per_layer < 10]
-    form = 128 if panel_gemm.available() and panel_gemm.int8_activations() else 0
-    assert {-lv for lv in linear_levels if lv < 0} == {form + b for b in bits}
+    decoder = runner.model.model.layers
+    kernels = [m.quant_kernel for m in decoder.modules() if hasattr(m, "quant_kernel")]
+    packed = [k.packed for k in kernels if isinstance(k, WeightOnlyKernel | GroupKernel)]
+    forms = {128 if weight_only.int8_activations_run(p) else 0 for p in packed}
+    assert len(forms) == 1
+    assert {-lv for lv in linear_levels if lv < 0} == {forms.pop() + b for b in bits}
     if quantization == "int8":
         assert any(lv > 0 for lv in linear_levels)  # qkv / o / gate_up stay W8A8
 

@@ -170,16 +170,18 @@ def test_q4_1_file_is_served_in_its_blocks(llm, gguf_path):
     else:  # the row layout's kernel: fp32 group constants
         assert size < weight_bytes(model) < size * 1.25
     levels = llm.llm_engine.executor.local_runner.fast_path.operands.ints
-    from pagedllm.layers import panel_gemm
+    from pagedllm.layers import panel_gemm, weight_only
 
-    # The first layer's four linears, int4; on AVX512-VNNI with x rounded to int8 (-(64 + 4)).
-    int4 = -68 if panel_gemm.int8_activations() else -4
+    # The first layer's four linears, int4; with x rounded to int8 (-(64 + 4)) where the CPU
+    # runs int8 activations (in panels on AVX512-VNNI, by rows on AVX2).
+    int8_x = weight_only.int8_activations()
+    int4 = -68 if int8_x else -4
     assert levels[6:10] == [int4] * 4
-    # the head's x as two int8 parts (within 3e-5 of fp32 x) on VNNI, fp32 elsewhere
-    head = "int8_residual" if panel_gemm.int8_activations() else "float"
+    # the head's x as two int8 parts (within 3e-5 of fp32 x) there, fp32 elsewhere
+    head = "int8_residual" if int8_x else "float"
     assert model.lm_head.quant_kernel.x_form == head
     assert model.model.layers[0].mlp.down_proj.quant_kernel.x_form == (
-        "int8" if panel_gemm.int8_activations() else "float"
+        "int8" if int8_x else "float"
     )
 
     if panel_gemm.available():  # AVX-512: every packed weight in panels, one copy each

@@ -23,7 +23,9 @@ parts against the codes, :func:`linear`'s x_form), beyond with a slice of 4 pane
 time dequantized into a cache-resident scratch for the float panel micro-kernel (bf16 for a
 bf16 x, as the slab path does); an embedding in panels gathers each looked-up row from its
 panel. Panels are stored four at a time, block by block (:func:`in_panels`), so that a
-decode product reads its weight as three long streams. The row layout stays on other CPUs.
+decode product reads its weight as three long streams. The row layout stays on other CPUs,
+where group-32 codes (a GGUF file's blocks) meet up to 4 rows of x on int8 with AVX2
+(:func:`linear`'s x forms; docs/architecture/quantization.md, "int8 activations by rows").
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 from pagedllm.cpp_build import load_cpp_ops
 from pagedllm.layers import panel_gemm
 
@@ -269,7 +272,8 @@ def kernel_linear(
 ) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) -> [M, N] in x's dtype through the C++ op: the weight
     unpacked in registers up to KERNEL_MAX_ROWS rows, dequantized slabs beyond. isa forces an
-    instruction set the CPU runs (tests); None takes the best."""
+    instruction set the CPU runs (tests); "int8" / "int8_residual" put up to 4 rows of x on
+    int8 (group 32, AVX2: :func:`linear`'s x forms); None takes the best."""
     if not load():
         raise RuntimeError("the C++ weight-only kernel could not be built on this machine")
     return torch.ops.pagedllm_wo.weight_only_linear(
@@ -301,13 +305,32 @@ def panel_linear(
     )
 
 
+def int8_activations() -> bool:
+    """Whether weight-only layers run on int8 activations on this CPU: in panels on
+    AVX512-VNNI / VBMI (panel_gemm.int8_activations, its switch), else by rows in groups of
+    32 on AVX2 (this module's kernel). PAGEDLLM_CPU_INT8_ACTIVATIONS=0 turns both off."""
+    if panel_gemm.available():
+        return panel_gemm.int8_activations()
+    return (
+        envs.PAGEDLLM_CPU_INT8_ACTIVATIONS()
+        and load()
+        and bool(torch.ops.pagedllm_wo.int8_activations())
+    )
+
+
 def int8_activations_run(weight: PackedWeight) -> bool:
-    """Whether a layer that asks for int8 activations gets them here: codes in panels, and
-    panel_gemm's switch on (AVX512-VNNI / VBMI). Read when the layer is built."""
-    return weight.panels and panel_gemm.int8_activations()
+    """Whether a layer that asks for int8 activations gets them here: codes in panels with
+    panel_gemm's switch on, or codes by rows in groups of 32 (a GGUF file's blocks) where
+    :func:`int8_activations`. Read when the layer is built."""
+    if weight.panels:
+        return panel_gemm.int8_activations()
+    cpu = weight.qweight.device.type == "cpu"
+    return cpu and weight.group == BLOCK and int8_activations()
 
 
+# the isa argument of each x form: for codes in panels, for codes by rows
 X_FORMS = {"float": None, "int8": "avx512_vnni", "int8_residual": "avx512_vnni_residual"}
+ROW_X_FORMS = {"float": None, "int8": "int8", "int8_residual": "int8_residual"}
 
 
 def linear(
@@ -315,12 +338,12 @@ def linear(
 ) -> torch.Tensor:
     """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear or,
     for a weight in panels, panel_linear). x_form (other than "float" only where
-    int8_activations_run) on AVX512-VNNI: "int8", up to 4 rows of x rounded to int8 per block
-    of 32 (GGUF blocks, llama.cpp's numerics); "int8_residual", one row as two int8 rows, x
-    rounded and what the rounding left (fp32 x's accuracy at int8's cost: every other layer,
-    an LM head too, at one decoding sequence); more rows as "float"."""
+    int8_activations_run): "int8", up to 4 rows of x rounded to int8 per block of 32 (GGUF
+    blocks, llama.cpp's numerics); "int8_residual", each row as two int8 rows, x rounded and
+    what the rounding left (fp32 x's accuracy at int8's cost: every other layer, an LM head
+    too; in panels at one decoding sequence, by rows up to 4); more rows as "float"."""
     if weight.panels:
         return panel_linear(x, weight, bias, X_FORMS[x_form])
     if x.device.type == "cpu" and load():
-        return kernel_linear(x, weight, bias)
+        return kernel_linear(x, weight, bias, ROW_X_FORMS[x_form])
     return slab_linear(x, weight, bias)

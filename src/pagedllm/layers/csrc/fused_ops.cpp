@@ -26,6 +26,13 @@
 #else
 #define BF16_VECTORS 0
 #endif
+// AVX2 forms of some fp32 loops where the build targets it (8 lanes).
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define F32_VECTORS 1
+#else
+#define F32_VECTORS 0
+#endif
 
 namespace {
 
@@ -327,6 +334,34 @@ inline void silu_mul16_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, 
 }
 #endif
 
+#if F32_VECTORS
+// fast_exp on 8 lanes: the same operations in the same order (no FMA), so the same bits.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// silu(gate) * up for 8 fp32 features from i on (a decode row's 1,536 in about a seventh of
+// the scalar loop's time on a Zen 3).
+inline void silu_mul8_f32(const float* gate, const float* up, float* y) {
+  const __m256 g = _mm256_loadu_ps(gate);
+  const __m256 e = fast_exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));  // -g, as a sign flip
+  const __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  _mm256_storeu_ps(y, _mm256_mul_ps(act, _mm256_loadu_ps(up)));
+}
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = out.size(0), dim = out.size(1);
@@ -342,6 +377,10 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 #if BF16_VECTORS
       if constexpr (std::is_same_v<T, c10::BFloat16>)
         for (; i + 16 <= dim; i += 16) silu_mul16_bf16(gate + i, up + i, y + i);
+#endif
+#if F32_VECTORS
+      if constexpr (std::is_same_v<T, float>)
+        for (; i + 8 <= dim; i += 8) silu_mul8_f32(gate + i, up + i, y + i);
 #endif
       for (; i < dim; ++i) {
         const float g = static_cast<float>(gate[i]);
@@ -582,8 +621,12 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
           : form == 2 ? c10::optional<std::string>("avx512_vnni_residual")
                       : c10::nullopt;
       y = quant_panel_linear_op().call(x, w, scale, offset, bits, c10::nullopt, isa);
-    } else {
-      y = weight_only_linear_op().call(x, w, scale, offset, bits, c10::nullopt, c10::nullopt);
+    } else {  // codes by rows: int8 x (group 32, AVX2) under the same forms
+      const c10::optional<std::string> isa =
+          form == 1   ? c10::optional<std::string>("int8")
+          : form == 2 ? c10::optional<std::string>("int8_residual")
+                      : c10::nullopt;
+      y = weight_only_linear_op().call(x, w, scale, offset, bits, c10::nullopt, isa);
     }
     return bias.defined() ? y + bias : y;
   }

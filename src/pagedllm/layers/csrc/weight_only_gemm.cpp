@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "balanced_for.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -270,6 +272,229 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
   rows_scalar(o, n0, n1, y);
 }
 
+#if PAGEDLLM_X86 && defined(__GNUC__)
+// ---- int8 activations (AVX2): x rounded to int8 per block of 32 ------------------------------
+// Group-32 weights (a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks) on a few rows of x, isa "int8" /
+// "int8_residual": each row of x becomes int8 codes per block of 32 with the
+// scale max|x| / 127 (llama.cpp's q8_1), and a block's integer product with the weight's codes
+// comes from maddubs (int4 codes are unsigned; int8 ones lend x their sign). Eight blocks'
+// integer sums are gathered into one vector before they meet their scales, so the float work
+// is an eighth of a block's. The int4 offsets meet the rounded x's block sums, so their
+// rounding errors cancel as in x w. "int8_residual" runs each row as two int8 parts, x rounded
+// and what the rounding left (fp32 x's accuracy, as the AVX-512 panels' residual form), both
+// against one load of the codes, into one sum.
+//
+// For int4 codes x is stored by pairs of blocks, so that one 32-byte load of codes serves two
+// blocks: its low nibbles are features 0-15 of both, its high nibbles features 16-31, and x's
+// pair holds [a 0-15 | b 0-15 | a 16-31 | b 16-31]. The pair's sums then land as a's in the low
+// lane and b's in the high one, and eight blocks' totals come out in the order 0 2 4 6 1 3 5 7,
+// which x's block constants are stored in and the weight's are permuted to.
+// Rows of x on int8 at most: "int8" 4, as the AVX-512 panels (at 8-16 rows it is 1.5x the fp32
+// x path on SmolLM2's products, a 2-core Zen 3, but a short prompt's prefill on int8 x turns
+// SmolLM2's answer to "What is the capital of France?" away from "Paris"); "int8_residual" 2
+// (at 4 as fast as fp32 x).
+constexpr int64_t kInt8MaxRows = 4, kResidualMaxRows = 2;
+constexpr int64_t kAhead = 4;  // passes a prefetch runs ahead (int8_x_linear)
+
+struct RoundedX {
+  const int8_t* q;   // [rows, parts, padded * 32] (int4: by pairs of blocks)
+  const float* sx;   // [rows, parts, padded]: the block's scale, zero past the last block
+  const float* sum;  // [rows, parts, padded]: sx times the block's code sum (int4 offsets)
+  int64_t parts, padded;
+};
+
+// One row x [k] -> codes, scales and scaled code sums; rest (when not null) takes what the
+// rounding left, the next part's x. pairs: int4's order of codes and constants (above).
+__attribute__((target("avx2,fma"))) void round_row_avx2(const float* x, int64_t k, bool pairs,
+                                                        int8_t* q, float* sx, float* sum,
+                                                        float* rest) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float top = _mm_cvtss_f32(m), scale = top / 127.0f;
+    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    alignas(32) int32_t codes[kBlock];
+    __m256i total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {  // rounded to nearest even, |code| <= 127
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), c);
+      total = _mm256_add_epi32(total, c);
+      if (rest != nullptr)
+        _mm256_storeu_ps(rest + b * kBlock + 8 * i,
+                         _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(scale), v[i]));
+    }
+    // int4: block b of its pair p = b / 2 at bytes 64 p + 16 (b % 2) (features 0-15) and
+    // 64 p + 32 + 16 (b % 2) (16-31); its constants at 8 (b / 8) + {0 2 4 6 1 3 5 7}[b % 8]
+    int8_t* dst = pairs ? q + (b / 2) * 64 + (b % 2) * 16 : q + b * kBlock;
+    const int64_t high = pairs ? 32 : 16;
+    for (int j = 0; j < 16; ++j) dst[j] = int8_t(codes[j]), dst[high + j] = int8_t(codes[16 + j]);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
+    int32_t s = 0;
+    for (int j = 0; j < 8; ++j) s += lanes[j];
+    const int64_t at = pairs ? b / 8 * 8 + (b % 8) / 2 + (b % 2) * 4 : b;
+    sx[at] = scale;
+    sum[at] = scale * float(s);
+  }
+}
+
+// Four pairs of blocks (int4) or eight blocks (int8) of one weight row against P parts of x:
+// each part's eight block totals (int4 in pair order) in t[p].
+template <bool kInt4, int P>
+__attribute__((target("avx2,fma"))) inline void totals8_avx2(const uint8_t* w, const int8_t* x,
+                                                             int64_t stride, int count,
+                                                             __m256i (&t)[P]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kInt4) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i v[P][4];
+    for (int j = 0; j < 4; ++j) {
+      if (2 * j >= count) {
+        for (int p = 0; p < P; ++p) v[p][j] = _mm256_setzero_si256();
+        continue;
+      }
+      // a last pair of one block reads its 16 bytes only (x is zero for the missing one)
+      const __m256i c =
+          2 * j + 1 < count
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j))
+              : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * j)));
+      const __m256i lo = _mm256_and_si256(c, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+      for (int p = 0; p < P; ++p) {
+        const int8_t* xp = x + p * stride + 64 * j;
+        const __m256i sums = _mm256_add_epi16(  // <= 2 * 2 * 15 * 127 per lane: no overflow
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
+        v[p][j] = _mm256_madd_epi16(sums, ones);
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      t[p] = _mm256_hadd_epi32(_mm256_hadd_epi32(v[p][0], v[p][1]),
+                               _mm256_hadd_epi32(v[p][2], v[p][3]));
+  } else {
+    __m256i v[P][8];
+    for (int j = 0; j < 8; ++j) {
+      if (j >= count) {
+        for (int p = 0; p < P; ++p) v[p][j] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i magnitude = _mm256_abs_epi8(c);
+      for (int p = 0; p < P; ++p) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + p * stride + 32 * j));
+        v[p][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, c)), ones);
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[p][0], v[p][1]),
+                                          _mm256_hadd_epi32(v[p][2], v[p][3]));
+      const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[p][4], v[p][5]),
+                                          _mm256_hadd_epi32(v[p][6], v[p][7]));
+      t[p] = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                              _mm256_permute2x128_si256(a, b, 0x31));
+    }
+  }
+}
+
+// y[r, n] for weight rows [n0, n1), R at a time, and every row of x (its P parts summed).
+template <bool kInt4, int R, int P>
+__attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const RoundedX& x,
+                                                        int64_t n0, int64_t n1, float* y) {
+  const int64_t blocks = o.k / kBlock, row_bytes = kInt4 ? o.k / 2 : o.k;
+  const int64_t stride = x.padded * kBlock;  // one part's codes
+  const __m256i order = kInt4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+                              : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < o.m; ++r) {
+    const int8_t* xq = x.q + r * P * stride;
+    const float* sx = x.sx + r * P * x.padded;
+    const float* xs = x.sum + r * P * x.padded;
+    for (int64_t n = n0; n + R <= n1; n += R) {
+      // the rows kAhead passes on, codes and constants, on their way into the L1
+      const int64_t ahead = std::min(n + kAhead * R, n1 - 1);
+      for (int64_t i = 0; i < R * row_bytes; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead * row_bytes + i), _MM_HINT_T0);
+      for (int64_t i = 0; i < R * blocks * 4; i += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(o.scale + ahead * blocks) + i, _MM_HINT_T0);
+        if constexpr (kInt4)
+          _mm_prefetch(reinterpret_cast<const char*>(o.offset + ahead * blocks) + i, _MM_HINT_T0);
+      }
+      __m256 acc[R];
+      for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; b += 8) {
+        const int count = int(std::min<int64_t>(8, blocks - b));
+        // the weight's constants past its last block are never read (masked loads)
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int t = 0; t < R; ++t) {
+          const int64_t row = (n + t) * blocks + b;
+          __m256i totals[P];
+          totals8_avx2<kInt4, P>(o.q + (n + t) * row_bytes + b * (row_bytes / blocks),
+                                 xq + b * kBlock, stride, count, totals);
+          const __m256 ws =
+              _mm256_permutevar8x32_ps(_mm256_maskload_ps(o.scale + row, lanes), order);
+          for (int p = 0; p < P; ++p)
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[p]),
+                                     _mm256_mul_ps(ws, _mm256_loadu_ps(sx + p * x.padded + b)),
+                                     acc[t]);
+          if constexpr (kInt4) {
+            const __m256 wo =
+                _mm256_permutevar8x32_ps(_mm256_maskload_ps(o.offset + row, lanes), order);
+            for (int p = 0; p < P; ++p)
+              acc[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + p * x.padded + b), acc[t]);
+          }
+        }
+      }
+      for (int t = 0; t < R; ++t) y[r * o.n + n + t] = hsum_avx2(acc[t]);
+    }
+  }
+}
+
+template <bool kInt4, int P>
+void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, float* y) {
+  constexpr int R = P == 1 ? 2 : 1;  // two weight rows a pass where the registers allow
+  const int64_t whole = n0 + (n1 - n0) / R * R;
+  rows_int8_avx2<kInt4, R, P>(o, x, n0, whole, y);
+  if (whole < n1) rows_int8_avx2<kInt4, 1, P>(o, x, whole, n1, y);
+}
+
+// x [M, K] fp32, a few rows -> y [M, N] fp32 on int8 x (parts 1 or 2 a row).
+at::Tensor int8_x_linear(const at::Tensor& xf, const Operands& o, int parts) {
+  const int64_t m = xf.size(0), k = o.k, blocks = k / kBlock;
+  const int64_t padded = (blocks + 7) / 8 * 8, kernel_rows = m * parts;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> sx, sum, rest;
+  q.assign(kernel_rows * padded * kBlock, 0), rest.resize(k);
+  sx.assign(kernel_rows * padded, 0.0f), sum.assign(kernel_rows * padded, 0.0f);
+  for (int64_t r = 0; r < kernel_rows; ++r) {
+    // residual: the odd parts round what the even one before them left
+    const float* src = parts == 2 && r % 2 == 1 ? rest.data() : xf.data_ptr<float>() + r / parts * k;
+    round_row_avx2(src, k, o.int4, q.data() + r * padded * kBlock, sx.data() + r * padded,
+                   sum.data() + r * padded, parts == 2 && r % 2 == 0 ? rest.data() : nullptr);
+  }
+  const RoundedX x{q.data(), sx.data(), sum.data(), parts, padded};
+  at::Tensor y = at::empty({m, o.n}, xf.options());
+  float* out = y.data_ptr<float>();
+  const int64_t chunk = std::max<int64_t>(4, (16 << 10) / (o.int4 ? k / 2 : k));  // ~16 KiB
+  pagedllm_cpu::balanced_for(o.n, chunk, [&](int64_t n0, int64_t n1) {
+    if (o.int4)
+      parts == 2 ? rows_int8<true, 2>(o, x, n0, n1, out) : rows_int8<true, 1>(o, x, n0, n1, out);
+    else
+      parts == 2 ? rows_int8<false, 2>(o, x, n0, n1, out) : rows_int8<false, 1>(o, x, n0, n1, out);
+  });
+  return y;
+}
+
+bool int8_x_runs() { return cpu_runs(Isa::kAvx2); }
+#endif
+
 // ---- many rows: dequantized slabs and ATen's GEMM -----------------------------------------------
 #if PAGEDLLM_X86 && defined(__GNUC__)
 // Rows [n0, n1) as fp32 through the kernel's own block unpacking (the slab path's cost beside
@@ -345,6 +570,15 @@ at::Tensor slab_linear(const at::Tensor& x, const Operands& w) {
   return y;
 }
 
+// Whether this CPU runs group-32 weights on int8 x (isa "int8" / "int8_residual"): AVX2.
+bool int8_activations() {
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  return int8_x_runs();
+#else
+  return false;
+#endif
+}
+
 // ---- the op ------------------------------------------------------------------------------------
 at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
                               const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
@@ -374,7 +608,13 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
                 "offset must be float32 like scale");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->is_contiguous()),
               "bias must be contiguous [N]");
-  const Isa i = force_isa.has_value() ? isa_from_name(*force_isa) : best_isa();
+  // isa "int8" / "int8_residual": x on int8 up to kInt8MaxRows rows (group 32 only), the
+  // best instruction set beyond; avx512 / avx2 / scalar: x in fp32 on that one (tests).
+  const bool residual = force_isa.has_value() && *force_isa == "int8_residual";
+  const bool int8_x = residual || (force_isa.has_value() && *force_isa == "int8");
+  TORCH_CHECK(!int8_x || (int8_activations() && group == kBlock),
+              "int8 activations need AVX2 and a weight in groups of 32, got group ", group);
+  const Isa i = force_isa.has_value() && !int8_x ? isa_from_name(*force_isa) : best_isa();
   TORCH_CHECK(cpu_runs(i), "this CPU does not run ", isa_name(i));
 
   std::vector<int32_t> group_of(k / kBlock);
@@ -390,6 +630,16 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({m, n}, xf.options());
   if (m == 0 || n == 0) return y.to(x.scalar_type());
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  if (int8_x && m <= (residual ? kResidualMaxRows : kInt8MaxRows)) {
+    const Operands o{nullptr, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                     scale.data_ptr<float>(), bits == 4 ? offset->data_ptr<float>() : nullptr,
+                     m, n, k, group, bits == 4, k / group, group_of.data()};
+    y = int8_x_linear(xf, o, residual ? 2 : 1);
+    if (bias.has_value()) y.add_(bias->to(at::kFloat));
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+#endif
   Operands o{xf.data_ptr<float>(),
              reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
              scale.data_ptr<float>(),
@@ -423,4 +673,5 @@ TORCH_LIBRARY(pagedllm_wo, m) {
   m.def("isa() -> str", &isa);
   m.def("runs(str isa) -> bool", &runs);
   m.def("kernel_max_rows() -> int", &kernel_max_rows);
+  m.def("int8_activations() -> bool", &int8_activations);
 }
