@@ -6,8 +6,7 @@ sequence; more rows take the fp32 path either way) through ``weight_only.linear`
 x_form "float" and "int8_residual", the two interleaved call by call (neighbours on a shared
 machine move both alike). Prints the median and best of each and the error of each against
 the exact product on the dequantized weight. The two-part form runs on CPUs with AVX512-VNNI
-and VBMI (weights in panels) or with AVX2 (group-32 codes by rows: the Q8_0 head only; the
-per-row head is skipped there).
+and VBMI (weights in panels) or with AVX2 (codes by rows); a head without it is skipped.
 
     python benchmarks/lm_head.py [--calls 60]
 """

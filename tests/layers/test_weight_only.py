@@ -53,14 +53,18 @@ ROW_INT8 = weight_only.load() and bool(torch.ops.pagedllm_wo.int8_activations())
 @pytest.mark.skipif(not ROW_INT8, reason="the row kernel's int8 x needs AVX2")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("k", "n"), [(64, 33), (576, 100), (1536, 40), (288, 9)])
-def test_group_32_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n):
-    """The row layout's int8 x (a GGUF file's layers on AVX2): "int8" is x rounded per block
-    of 32 times the weight, exactly, up to 4 rows (block counts with and without a partial
-    group of eight blocks); "int8_residual" (two int8 parts a row, up to 2 rows) within the
-    second rounding's bound of the fp32 product; more rows run on fp32 x."""
+@pytest.mark.parametrize("group", ["32", "wider", "row"])
+def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, group):
+    """The row layout's int8 x (AVX2): "int8" is x rounded per block of 32 times the weight,
+    exactly, up to 4 rows (block counts with and without a partial group of eight blocks;
+    groups of one block, of several, and one group a row); "int8_residual" (two int8 parts a
+    row, up to 2 rows) within the second rounding's bound of the fp32 product; more rows run
+    on fp32 x."""
     torch.manual_seed(bits * k + n)
+    size = {"32": 32, "wider": weight_only.group_size_for(k, 96), "row": k}[group]
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
-    packed = weight_only.fp32_constants(weight_only.quantize(w, bits, 32))
+    packed = weight_only.fp32_constants(weight_only.quantize(w, bits, size))
+    assert packed.group == size
     dense = packed.dequantize().double()
     for m in (1, 2, 4):
         x = torch.randn(m, k) * torch.logspace(-1, 1, k)
@@ -80,9 +84,6 @@ def test_group_32_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bit
         x = torch.randn(rows, k)
         got = weight_only.kernel_linear(x, packed, None, form)
         assert torch.allclose(got, _reference(x, packed), rtol=1e-5, atol=1e-4), form
-    with pytest.raises(RuntimeError, match="groups of 32"):
-        group_64 = weight_only.quantize(w[:, :64], bits, 64)
-        weight_only.kernel_linear(x[:1, :64], group_64, None, "int8")
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -324,8 +324,8 @@ def x_form(module: nn.Module, packed: weight_only.PackedWeight, int8_x: bool = F
     |x| where an int8 weight's own rounding is 3.9e-3 times its row's largest: the accuracy of
     fp32 x at the cost of int8 products (one int8 part turned SmolLM2 Q4_1's "Paris" into
     French babble as its LM head, tests/models/test_real_model_gguf.py). Where the CPU runs
-    neither (weight_only.int8_activations_run: panels on AVX512-VNNI, group-32 codes by rows
-    on AVX2), "float"."""
+    neither (weight_only.int8_activations_run: panels on AVX512-VNNI, codes by rows on
+    AVX2), "float"."""
     if not weight_only.int8_activations_run(packed):
         return "float"
     if int8_x and not isinstance(module, ParallelLMHead):

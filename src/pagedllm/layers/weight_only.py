@@ -24,8 +24,8 @@ time dequantized into a cache-resident scratch for the float panel micro-kernel 
 bf16 x, as the slab path does); an embedding in panels gathers each looked-up row from its
 panel. Panels are stored four at a time, block by block (:func:`in_panels`), so that a
 decode product reads its weight as three long streams. The row layout stays on other CPUs,
-where group-32 codes (a GGUF file's blocks) meet up to 4 rows of x on int8 with AVX2
-(:func:`linear`'s x forms; docs/architecture/quantization.md, "int8 activations by rows").
+where the codes meet up to 4 rows of x on int8 with AVX2 (:func:`linear`'s x forms;
+docs/architecture/quantization.md, "int8 activations by rows").
 """
 
 from __future__ import annotations
@@ -272,8 +272,8 @@ def kernel_linear(
 ) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) -> [M, N] in x's dtype through the C++ op: the weight
     unpacked in registers up to KERNEL_MAX_ROWS rows, dequantized slabs beyond. isa forces an
-    instruction set the CPU runs (tests); "int8" / "int8_residual" put up to 4 rows of x on
-    int8 (group 32, AVX2: :func:`linear`'s x forms); None takes the best."""
+    instruction set the CPU runs (tests); "int8" / "int8_residual" put up to 4 / 2 rows of x
+    on int8 (AVX2: :func:`linear`'s x forms); None takes the best."""
     if not load():
         raise RuntimeError("the C++ weight-only kernel could not be built on this machine")
     return torch.ops.pagedllm_wo.weight_only_linear(
@@ -307,8 +307,8 @@ def panel_linear(
 
 def int8_activations() -> bool:
     """Whether weight-only layers run on int8 activations on this CPU: in panels on
-    AVX512-VNNI / VBMI (panel_gemm.int8_activations, its switch), else by rows in groups of
-    32 on AVX2 (this module's kernel). PAGEDLLM_CPU_INT8_ACTIVATIONS=0 turns both off."""
+    AVX512-VNNI / VBMI (panel_gemm.int8_activations, its switch), else by rows on AVX2 (this
+    module's kernel). PAGEDLLM_CPU_INT8_ACTIVATIONS=0 turns both off."""
     if panel_gemm.available():
         return panel_gemm.int8_activations()
     return (
@@ -320,12 +320,11 @@ def int8_activations() -> bool:
 
 def int8_activations_run(weight: PackedWeight) -> bool:
     """Whether a layer that asks for int8 activations gets them here: codes in panels with
-    panel_gemm's switch on, or codes by rows in groups of 32 (a GGUF file's blocks) where
-    :func:`int8_activations`. Read when the layer is built."""
+    panel_gemm's switch on, or codes by rows on a CPU where :func:`int8_activations`. Read
+    when the layer is built."""
     if weight.panels:
         return panel_gemm.int8_activations()
-    cpu = weight.qweight.device.type == "cpu"
-    return cpu and weight.group == BLOCK and int8_activations()
+    return weight.qweight.device.type == "cpu" and int8_activations()
 
 
 # the isa argument of each x form: for codes in panels, for codes by rows

@@ -274,12 +274,13 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 
 #if PAGEDLLM_X86 && defined(__GNUC__)
 // ---- int8 activations (AVX2): x rounded to int8 per block of 32 ------------------------------
-// Group-32 weights (a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks) on a few rows of x, isa "int8" /
-// "int8_residual": each row of x becomes int8 codes per block of 32 with the
-// scale max|x| / 127 (llama.cpp's q8_1), and a block's integer product with the weight's codes
-// comes from maddubs (int4 codes are unsigned; int8 ones lend x their sign). Eight blocks'
-// integer sums are gathered into one vector before they meet their scales, so the float work
-// is an eighth of a block's. The int4 offsets meet the rounded x's block sums, so their
+// Weights by rows (a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks: groups of 32; any group a multiple
+// of 32) on a few rows of x, isa "int8" / "int8_residual": each row of x becomes int8 codes per
+// block of 32 with the scale max|x| / 127 (llama.cpp's q8_1), and a block's integer product
+// with the weight's codes comes from maddubs (int4 codes are unsigned; int8 ones lend x their
+// sign). Eight blocks' integer sums are gathered into one vector before they meet their
+// scales, so the float work is an eighth of a block's (groups wider than a block: their
+// constants gathered per block). The int4 offsets meet the rounded x's block sums, so their
 // rounding errors cancel as in x w. "int8_residual" runs each row as two int8 parts, x rounded
 // and what the rounding left (fp32 x's accuracy, as the AVX-512 panels' residual form), both
 // against one load of the codes, into one sum.
@@ -404,6 +405,18 @@ __attribute__((target("avx2,fma"))) inline void totals8_avx2(const uint8_t* w, c
   }
 }
 
+// Eight blocks' constants from block b on, of one weight row's (`row`, [groups]), in the order
+// of their totals: a masked load where a group is a block (the weight's constants past its
+// last block are never read), else a gather of each block's group.
+__attribute__((target("avx2,fma"))) inline __m256 constants8(const Operands& o, const float* row,
+                                                             int64_t b, __m256i lanes,
+                                                             __m256i order) {
+  if (o.group == kBlock) return _mm256_permutevar8x32_ps(_mm256_maskload_ps(row + b, lanes), order);
+  const __m256i groups = _mm256_permutevar8x32_epi32(_mm256_maskload_epi32(o.group_of + b, lanes), order);
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), row, groups,
+                                  _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(lanes, order)), 4);
+}
+
 // y[r, n] for weight rows [n0, n1), R at a time, and every row of x (its P parts summed).
 template <bool kInt4, int R, int P>
 __attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const RoundedX& x,
@@ -421,32 +434,29 @@ __attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const
       const int64_t ahead = std::min(n + kAhead * R, n1 - 1);
       for (int64_t i = 0; i < R * row_bytes; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead * row_bytes + i), _MM_HINT_T0);
-      for (int64_t i = 0; i < R * blocks * 4; i += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(o.scale + ahead * blocks) + i, _MM_HINT_T0);
+      for (int64_t i = 0; i < R * o.groups * 4; i += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(o.scale + ahead * o.groups) + i, _MM_HINT_T0);
         if constexpr (kInt4)
-          _mm_prefetch(reinterpret_cast<const char*>(o.offset + ahead * blocks) + i, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(o.offset + ahead * o.groups) + i, _MM_HINT_T0);
       }
       __m256 acc[R];
       for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; b += 8) {
         const int count = int(std::min<int64_t>(8, blocks - b));
-        // the weight's constants past its last block are never read (masked loads)
         const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count),
                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         for (int t = 0; t < R; ++t) {
-          const int64_t row = (n + t) * blocks + b;
+          const int64_t row = (n + t) * o.groups;
           __m256i totals[P];
           totals8_avx2<kInt4, P>(o.q + (n + t) * row_bytes + b * (row_bytes / blocks),
                                  xq + b * kBlock, stride, count, totals);
-          const __m256 ws =
-              _mm256_permutevar8x32_ps(_mm256_maskload_ps(o.scale + row, lanes), order);
+          const __m256 ws = constants8(o, o.scale + row, b, lanes, order);
           for (int p = 0; p < P; ++p)
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[p]),
                                      _mm256_mul_ps(ws, _mm256_loadu_ps(sx + p * x.padded + b)),
                                      acc[t]);
           if constexpr (kInt4) {
-            const __m256 wo =
-                _mm256_permutevar8x32_ps(_mm256_maskload_ps(o.offset + row, lanes), order);
+            const __m256 wo = constants8(o, o.offset + row, b, lanes, order);
             for (int p = 0; p < P; ++p)
               acc[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + p * x.padded + b), acc[t]);
           }
@@ -570,7 +580,7 @@ at::Tensor slab_linear(const at::Tensor& x, const Operands& w) {
   return y;
 }
 
-// Whether this CPU runs group-32 weights on int8 x (isa "int8" / "int8_residual"): AVX2.
+// Whether this CPU runs weights by rows on int8 x (isa "int8" / "int8_residual"): AVX2.
 bool int8_activations() {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   return int8_x_runs();
@@ -608,12 +618,11 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
                 "offset must be float32 like scale");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->is_contiguous()),
               "bias must be contiguous [N]");
-  // isa "int8" / "int8_residual": x on int8 up to kInt8MaxRows rows (group 32 only), the
+  // isa "int8" / "int8_residual": x on int8 up to kInt8MaxRows / kResidualMaxRows rows, the
   // best instruction set beyond; avx512 / avx2 / scalar: x in fp32 on that one (tests).
   const bool residual = force_isa.has_value() && *force_isa == "int8_residual";
   const bool int8_x = residual || (force_isa.has_value() && *force_isa == "int8");
-  TORCH_CHECK(!int8_x || (int8_activations() && group == kBlock),
-              "int8 activations need AVX2 and a weight in groups of 32, got group ", group);
+  TORCH_CHECK(!int8_x || int8_activations(), "int8 activations need AVX2");
   const Isa i = force_isa.has_value() && !int8_x ? isa_from_name(*force_isa) : best_isa();
   TORCH_CHECK(cpu_runs(i), "this CPU does not run ", isa_name(i));
 
