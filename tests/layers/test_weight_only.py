@@ -119,20 +119,49 @@ def test_bf16_activations_and_bias():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_take_the_slab_path_with_the_same_result(dtype):
+def test_many_rows_take_the_slices_or_slab_path_with_the_same_result(dtype):
     torch.manual_seed(2)
-    w, x = torch.randn(300, 96), torch.randn(weight_only.KERNEL_MAX_ROWS + 5, 96).to(dtype)
+    w, x = torch.randn(300, 96), torch.randn(max(weight_only.KERNEL_MAX_ROWS.values()) + 5, 96)
+    x = x.to(dtype)
     packed = weight_only.quantize(w, 4, 32)
-    assert torch.ops.pagedllm_wo.kernel_max_rows() == weight_only.KERNEL_MAX_ROWS
+    kernel_rows = weight_only.KERNEL_MAX_ROWS[weight_only.isa()]
+    assert torch.ops.pagedllm_wo.kernel_max_rows() == kernel_rows
     tol = 1e-4 if dtype == torch.float32 else 0.25
-    many = weight_only.linear(x, packed, None)  # C++ slabs (bf16 x: bf16 tiles)
+    many = weight_only.linear(x, packed, None)  # AVX2: slices; else C++ slabs (bf16 tiles)
     assert many.dtype == dtype
     assert torch.allclose(many.float(), _reference(x.float(), packed), atol=tol, rtol=1e-2)
     assert torch.allclose(many.float(), weight_only.slab_linear(x, packed, None).float(),
                           atol=tol, rtol=1e-2)  # fmt: skip
-    small = x[: weight_only.KERNEL_MAX_ROWS]  # the kernel, unpacking in registers
+    small = x[:kernel_rows]  # the kernel, unpacking in registers
     got = weight_only.linear(small, packed, None).float()
     assert torch.allclose(got, _reference(small.float(), packed), atol=tol, rtol=1e-2)
+
+
+@pytest.mark.skipif(not weight_only.cpu_runs("avx2"), reason="the slices run on AVX2")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "group"),
+    [(9, 1536, 77, 1536), (13, 576, 49, 32), (50, 96, 300, 32), (23, 1536, 40, 96)],
+)
+def test_slices_on_avx2_match_the_dequantized_product(bits, m, k, n, group):
+    """Beyond 8 rows AVX2 runs slices of the weight in fp32 panels of 16 rows (a partial last
+    panel; at K = 1536 a slice is 2 panels, so 77 rows are 3 slices, split between threads)
+    against tiles of 6 rows of x (a partial last tile): the float64 product within fp32
+    rounding, with a bias, and a bf16 x back in bf16."""
+    torch.manual_seed(m + k + n)
+    w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
+    x, bias = torch.randn(m, k), torch.randn(n)
+    packed = weight_only.fp32_constants(weight_only.quantize(w, bits, group))
+    want = _reference(x, packed) + bias
+    tol = 1e-5 * (x.abs() @ packed.dequantize().abs().t()) + 1e-5
+    got = weight_only.kernel_linear(x, packed, bias, "avx2")
+    assert got.shape == (m, n) and torch.all((got - want).abs() <= tol)
+    assert torch.allclose(got, weight_only.kernel_linear(x, packed, bias, "scalar"),
+                          rtol=1e-5, atol=1e-4)  # fmt: skip
+    half = weight_only.kernel_linear(x.bfloat16(), packed, bias, "avx2")
+    assert half.dtype == torch.bfloat16
+    want_half = _reference(x.bfloat16().float(), packed) + bias
+    assert torch.allclose(half.float(), want_half, rtol=1e-2, atol=1e-2 * want_half.abs().max())
 
 
 def test_group_size_falls_back_to_a_divisor():

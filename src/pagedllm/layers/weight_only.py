@@ -49,7 +49,9 @@ ISAS = ("avx512", "avx2", "scalar")
 BLOCK = 32  # features per packed block; group sizes are multiples of it
 PANEL = panel_gemm.PANEL  # output features per panel (in_panels)
 GROUP_PANELS = 4  # panels stored side by side, block by block (csrc/panel_gemm.cpp's kMaxNR)
-KERNEL_MAX_ROWS = 16  # beyond this many rows the slab path (BLAS) is faster (the C++ one too)
+# rows of x the C++ kernel unpacks the codes in registers for, the instruction set forced (tests):
+# beyond, AVX2 runs slices of the weight through its own tile, the others dequantized slabs
+KERNEL_MAX_ROWS = {"avx512": 16, "avx2": 8, "scalar": 16}
 _SLAB_ELEMENTS = 1 << 20  # weights dequantized per slab on the many-row path (4 MiB fp32)
 
 
@@ -271,9 +273,10 @@ def kernel_linear(
     isa: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) -> [M, N] in x's dtype through the C++ op: the weight
-    unpacked in registers up to KERNEL_MAX_ROWS rows, dequantized slabs beyond. isa forces an
-    instruction set the CPU runs (tests); "int8" / "int8_residual" put up to 4 / 2 rows of x
-    on int8 (AVX2: :func:`linear`'s x forms); None takes the best."""
+    unpacked in registers up to KERNEL_MAX_ROWS rows, beyond slices of it in fp32 through the
+    op's own tile (AVX2) or dequantized slabs and ATen's GEMM. isa forces an instruction set
+    the CPU runs (tests); "int8" / "int8_residual" put up to 4 / 2 rows of x on int8 (AVX2:
+    :func:`linear`'s x forms); None takes the best."""
     if not load():
         raise RuntimeError("the C++ weight-only kernel could not be built on this machine")
     return torch.ops.pagedllm_wo.weight_only_linear(
