@@ -68,10 +68,15 @@ PRECISIONS = {
     "bf16": {"dtype": "bfloat16"},  # what dtype "auto" picks on a CPU with AVX-512 BF16
     "int8": {"dtype": "float32", "quantization": "int8"},
 }
-# --real-model adds int8 with bf16 activations and LM head (the 125M tables have no GEMM peak
-# or weight bytes for it)
+# --real-model adds int8 with bf16 activations and LM head, and int8 with a bf16 KV cache (the
+# size of llama.cpp's default f16 cache; the 125M tables have no GEMM peak or weight bytes for
+# them)
 HF_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
-REAL_PRECISIONS = {**PRECISIONS, "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"}}
+REAL_PRECISIONS = {
+    **PRECISIONS,
+    "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"},
+    "int8-kv-bf16": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"},
+}
 
 
 # ---- the model's shapes and costs ------------------------------------------------------------
@@ -353,7 +358,7 @@ class Engine:
     @property
     def family(self) -> str:
         """The chart's group: formats of the same width side by side."""
-        fmt = self.fmt.removeprefix("gguf ").removesuffix("-bf16")
+        fmt = self.fmt.removeprefix("gguf ").removesuffix("-bf16").removesuffix("-kv")
         eight = "8-bit (int8 / q8_0)"
         return {"fp32": "f32", "int8": eight, "int8-bf16": eight, "q8_0": eight}.get(fmt, fmt)
 
@@ -368,8 +373,14 @@ def real_model_engines(folder: Path, precisions: list[str], ggufs: list[Path]) -
             )
             continue
         engines.append(Engine("pagedllm", f"gguf {fmt}", path, {}))  # blocks kept, fp32 x
-        engines.append(Engine("pagedllm", f"gguf {fmt}-bf16", path, {"dtype": "bfloat16"}))
+        if native_bf16():  # elsewhere bf16 runs 5-10x slower than fp32
+            engines.append(Engine("pagedllm", f"gguf {fmt}-bf16", path, {"dtype": "bfloat16"}))
     return engines
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes in bf16 (AVX-512 BF16 or AMX)."""
+    return any(f in cpu_flags().split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def real_text_tokens(tokenizer_json: Path) -> list[int]:
@@ -791,7 +802,7 @@ def parse_args() -> argparse.Namespace:
         "--precisions",
         nargs="+",
         default=None,
-        help="default: fp32 bf16 int8 (--real-model: and int8-bf16)",
+        help="default: fp32 bf16 int8 (--real-model: and int8-bf16, int8-kv-bf16)",
     )
     ap.add_argument("--hf-batch-sizes", nargs="+", type=int, default=None)
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32"], choices=list(HF_LABELS),
