@@ -563,9 +563,10 @@ void dequantize_rows(const Operands& w, int64_t n0, int64_t n1, float* out) {
 // rows of x by a panel, one x value broadcast against the panel's two vectors per feature, 12
 // accumulators. The weight is read from memory once a call and nothing is written out to memory
 // or repacked, as the slabs beside ATen's GEMM do for each slab. On a 2-core Zen 3, taking turns
-// with the slabs: SmolLM2's LM head (49152 x 576) at 48-2048 rows 120-145 GFLOP/s against
-// 50-85, its layers level with the slabs at 256-2048 rows and up to 1.5x at 48, and from 12
-// rows on ahead of the kernel unpacking in registers (level at 8).
+// with the slabs: SmolLM2's LM head (49152 x 576) at 48-2048 rows 100-145 GFLOP/s against
+// 41-83, its layers up to 1.9x at 48 rows and level at 2048 (the int8 format's down_proj, K =
+// 1536, 0.85x there), and from 12 rows on ahead of the kernel unpacking in registers (level at
+// 8).
 constexpr int64_t kPanel = 16;
 constexpr int64_t kSliceBytes = 192 << 10;
 
