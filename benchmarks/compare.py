@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config import cpu_has_native_bf16
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     BENCH_125M,
@@ -373,14 +375,9 @@ def real_model_engines(folder: Path, precisions: list[str], ggufs: list[Path]) -
             )
             continue
         engines.append(Engine("pagedllm", f"gguf {fmt}", path, {}))  # blocks kept, fp32 x
-        if native_bf16():  # elsewhere bf16 runs 5-10x slower than fp32
+        if cpu_has_native_bf16():  # elsewhere bf16 runs 5-10x slower than fp32
             engines.append(Engine("pagedllm", f"gguf {fmt}-bf16", path, {"dtype": "bfloat16"}))
     return engines
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes in bf16 (AVX-512 BF16 or AMX)."""
-    return any(f in cpu_flags().split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def real_text_tokens(tokenizer_json: Path) -> list[int]:

@@ -750,51 +750,42 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
 
   std::vector<int32_t> group_of(k / kBlock);
   for (int64_t b = 0; b < k / kBlock; ++b) group_of[b] = int32_t(b * kBlock / group);
-#if PAGEDLLM_X86 && defined(__GNUC__)
-  if (i == Isa::kAvx2 && m > kSliceMinRows) {  // AVX2: slices through the broadcast tile
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const Operands w{xf.data_ptr<float>(), reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                     scale.data_ptr<float>(), bits == 4 ? offset->data_ptr<float>() : nullptr,
-                     m, n, k, group, bits == 4, k / group, group_of.data()};
-    at::Tensor y = slice_linear(xf, w);
-    if (bias.has_value()) y.add_(bias->to(at::kFloat));
-    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-  }
-#endif
-  if (m > kKernelMaxRows) {
-    const Operands w{nullptr, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                     scale.data_ptr<float>(), bits == 4 ? offset->data_ptr<float>() : nullptr,
-                     m, n, k, group, bits == 4, k / group, group_of.data()};
-    at::Tensor y = slab_linear(x.contiguous(), w);
-    if (bias.has_value()) y.add_(bias->to(y.scalar_type()));
-    return y;
-  }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({m, n}, xf.options());
-  if (m == 0 || n == 0) return y.to(x.scalar_type());
-#if PAGEDLLM_X86 && defined(__GNUC__)
-  if (int8_x && m <= (residual ? kResidualMaxRows : kInt8MaxRows)) {
-    const Operands o{nullptr, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                     scale.data_ptr<float>(), bits == 4 ? offset->data_ptr<float>() : nullptr,
-                     m, n, k, group, bits == 4, k / group, group_of.data()};
-    y = int8_x_linear(xf, o, residual ? 2 : 1);
-    if (bias.has_value()) y.add_(bias->to(at::kFloat));
-    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-  }
-#endif
-  Operands o{xf.data_ptr<float>(),
+  Operands o{nullptr,  // x: set below where the path reads it in fp32
              reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
              scale.data_ptr<float>(),
              bits == 4 ? offset->data_ptr<float>() : nullptr,
              m, n, k, group, bits == 4, k / group, group_of.data()};
-  float* out = y.data_ptr<float>();
-  const int64_t row_bytes = bits == 4 ? k / 2 : k;
-  // Tasks of whole groups of 4 rows, each streaming at least ~32 KiB of weight.
-  const int64_t quads = (n + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (4 * row_bytes));
-  at::parallel_for(0, quads, grain, [&](int64_t p0, int64_t p1) {
-    rows(i, o, p0 * 4, std::min(n, p1 * 4), out);
-  });
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  const bool slices = i == Isa::kAvx2 && m > kSliceMinRows;
+#else
+  constexpr bool slices = false;
+#endif
+  if (!slices && m > kKernelMaxRows) {
+    at::Tensor y = slab_linear(x.contiguous(), o);
+    if (bias.has_value()) y.add_(bias->to(y.scalar_type()));
+    return y;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  o.x = xf.data_ptr<float>();
+  at::Tensor y;
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  if (slices)  // AVX2: slices through the broadcast tile
+    y = slice_linear(xf, o);
+  else if (int8_x && m > 0 && n > 0 && m <= (residual ? kResidualMaxRows : kInt8MaxRows))
+    y = int8_x_linear(xf, o, residual ? 2 : 1);
+#endif
+  if (!y.defined()) {
+    y = at::empty({m, n}, xf.options());
+    if (m == 0 || n == 0) return y.to(x.scalar_type());
+    float* out = y.data_ptr<float>();
+    const int64_t row_bytes = bits == 4 ? k / 2 : k;
+    // Tasks of whole groups of 4 rows, each streaming at least ~32 KiB of weight.
+    const int64_t quads = (n + 3) / 4;
+    const int64_t grain = std::max<int64_t>(1, (32 << 10) / (4 * row_bytes));
+    at::parallel_for(0, quads, grain, [&](int64_t p0, int64_t p1) {
+      rows(i, o, p0 * 4, std::min(n, p1 * 4), out);
+    });
+  }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
