@@ -63,7 +63,7 @@ def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, 
     torch.manual_seed(bits * k + n)
     size = {"32": 32, "wider": weight_only.group_size_for(k, 96), "row": k}[group]
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
-    packed = weight_only.fp32_constants(weight_only.quantize(w, bits, size))
+    packed = weight_only.quantize(w, bits, size)
     assert packed.group == size
     dense = packed.dequantize().double()
     for m in (1, 2, 4):
@@ -151,7 +151,7 @@ def test_slices_on_avx2_match_the_dequantized_product(bits, m, k, n, group):
     torch.manual_seed(m + k + n)
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
     x, bias = torch.randn(m, k), torch.randn(n)
-    packed = weight_only.fp32_constants(weight_only.quantize(w, bits, group))
+    packed = weight_only.quantize(w, bits, group)
     want = _reference(x, packed) + bias
     tol = 1e-5 * (x.abs() @ packed.dequantize().abs().t()) + 1e-5
     got = weight_only.kernel_linear(x, packed, bias, "avx2")
@@ -162,6 +162,37 @@ def test_slices_on_avx2_match_the_dequantized_product(bits, m, k, n, group):
     assert half.dtype == torch.bfloat16
     want_half = _reference(x.bfloat16().float(), packed) + bias
     assert torch.allclose(half.float(), want_half, rtol=1e-2, atol=1e-2 * want_half.abs().max())
+
+
+def _widened(packed: weight_only.PackedWeight) -> weight_only.PackedWeight:
+    offset = None if packed.offset is None else packed.offset.float()
+    return weight_only.PackedWeight(packed.bits, packed.qweight, packed.scale.float(), offset)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("k", "n", "group"), [(160, 33, 32), (576, 100, 32), (576, 40, 96),
+                                               (1536, 17, 32)])  # fmt: skip
+def test_fp16_constants_give_their_fp32_widenings_result_on_every_path(bits, k, n, group):
+    """A GGUF file's fp16 constants stay fp16 by rows: every path (each instruction set at 1-16
+    rows, int8 x and its residual form, the slices or slabs beyond) gives what the same weight
+    with its constants widened to fp32 gives, bit for bit. Block counts with a partial last
+    eight (160: 5 blocks, 576: 18), a wider group (96: constants gathered one at a time), and
+    an odd row count, so the weight's last row takes the one-at-a-time load as well."""
+    torch.manual_seed(bits + k + n + group)
+    w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
+    quantized = weight_only.quantize(w, bits, group)
+    offset = None if quantized.offset is None else quantized.offset.half()
+    half = weight_only.PackedWeight(bits, quantized.qweight, quantized.scale.half(), offset)
+    widened = _widened(half)
+    assert half.nbytes() < widened.nbytes()
+    paths = [*_isas(), None] + (["int8", "int8_residual"] if ROW_INT8 else [])
+    for m in (1, 2, 4, 9, 16, 40):
+        x = torch.randn(m, k)
+        for isa in paths:
+            got = weight_only.kernel_linear(x, half, None, isa)
+            assert torch.equal(got, weight_only.kernel_linear(x, widened, None, isa)), (m, isa)
+    want = _reference(x, widened)
+    assert torch.allclose(weight_only.linear(x[:1], half, None), want[:1], rtol=1e-4, atol=1e-3)
 
 
 def test_group_size_falls_back_to_a_divisor():
@@ -206,7 +237,7 @@ def test_gguf_blocks_repack_exactly(name):
     want = torch.from_numpy(np.array(dequantize(data, qtype)))
     assert torch.equal(packed.dequantize(), want.float())
     x = torch.randn(2, 160)
-    got = weight_only.kernel_linear(x, weight_only.fp32_constants(packed))
+    got = weight_only.kernel_linear(x, packed)  # the fp16 constants by rows
     assert torch.allclose(got, x @ want.float().t(), rtol=1e-4, atol=1e-4)
     if weight_only.panels_run(packed):  # the panel kernel on the fp16 constants themselves
         panels = weight_only.in_panels(packed)

@@ -13,11 +13,10 @@ features (``GGUFReader``'s ``tensor.data``: uint8 [rows, bytes per row]):
 with nibble j of a Q4 block in the low half of byte j and nibble j + 16 in the high half,
 the order layers/weight_only.py keeps. So the codes are copied byte for byte and the
 per-block fp16 constants kept in fp16: group 32, scale = d, and for int4 offset = m (Q4_1) or
--8 d (Q4_0, q - 8 written as q plus an offset; exact in fp16, a power of two). The panel
-kernel streams them as they are (weight_only.fp32_constants widens them, exactly, for the
-row layout's kernel). Q4_K's sub-blocks are 32 features too: their codes are regrouped into that
-nibble order and its two-level constants multiplied out, in fp32 (d * sc and -dmin * mn are
-exact there, an fp16 times a 6-bit integer, not in fp16).
+-8 d (Q4_0, q - 8 written as q plus an offset; exact in fp16, a power of two). The panel and
+row kernels stream them as they are. Q4_K's sub-blocks are 32 features too: their codes are
+regrouped into that nibble order and its two-level constants multiplied out, in fp32 (d * sc
+and -dmin * mn are exact there, an fp16 times a 6-bit integer, not in fp16).
 """
 
 from __future__ import annotations

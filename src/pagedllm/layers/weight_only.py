@@ -3,11 +3,15 @@
 A layer's weight W [N, K] is kept quantized in groups of ``group`` input features (a multiple
 of 32 that divides K):
 
-* int8: ``qweight`` int8 [N, K], ``scale`` fp32 [N, K / group]; W = scale * q (symmetric).
-* int4: ``qweight`` uint8 [N, K / 2], ``scale`` and ``offset`` fp32 [N, K / group];
+* int8: ``qweight`` int8 [N, K], ``scale`` [N, K / group]; W = scale * q (symmetric).
+* int4: ``qweight`` uint8 [N, K / 2], ``scale`` and ``offset`` [N, K / group];
   W = scale * q + offset with q in [0, 15]. Codes are two per byte in blocks of 32 features:
   byte j of a block holds feature j (low nibble) and feature j + 16 (high nibble), GGUF's
   Q4_0 / Q4_1 order, so those files repack by copying bytes (:mod:`pagedllm.layers.gguf_repack`).
+
+The constants are fp32 where pagedllm quantizes, fp16 where a GGUF file brings them: every
+kernel reads either, so a file's weight keeps its bytes (at one row of x the product streams
+them from memory, and fp32 constants made a Q4_1 file's layers 20% larger).
 
 Activations stay in full precision (fp32, bf16 or fp16). A few rows (decode) run the C++
 kernel, which unpacks each block in registers, so x is never rounded; many rows (prefill,
@@ -100,7 +104,7 @@ class PackedWeight:
 
     bits: int  # 8 or 4
     qweight: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2]; panels: [N / 16, K (/ 2), 16]
-    scale: torch.Tensor  # fp32 [N, K / group]; panels: [N / 16, K / group, 16], fp32 or fp16
+    scale: torch.Tensor  # fp32 or fp16 [N, K / group]; panels: [N / 16, K / group, 16]
     offset: torch.Tensor | None  # like scale for int4, else None
     panels: bool = False  # the panel layout of :func:`in_panels`
 
@@ -229,19 +233,10 @@ def panels_run(weight: PackedWeight) -> bool:
     return weight.qweight.device.type == "cpu" and n % PANEL == 0 and panel_gemm.available()
 
 
-def fp32_constants(weight: PackedWeight) -> PackedWeight:
-    """The weight with fp32 scales and offsets (a GGUF file's are fp16, which the panel kernel
-    streams as they are; the row layout's kernel takes fp32 only). The same weight if they are."""
-    if weight.scale.dtype == torch.float32:
-        return weight
-    offset = None if weight.offset is None else weight.offset.float()
-    return PackedWeight(weight.bits, weight.qweight, weight.scale.float(), offset, weight.panels)
-
-
 def cpu_layout(weight: PackedWeight) -> PackedWeight:
-    """The weight as this CPU runs it: in panels where panels_run (constants as they are),
-    else by rows with fp32 constants."""
-    return in_panels(weight) if panels_run(weight) else fp32_constants(weight)
+    """The weight as this CPU runs it: in panels where panels_run, else by rows. Either way
+    its constants stay as they are (a GGUF file's fp16, which both kernels read)."""
+    return in_panels(weight) if panels_run(weight) else weight
 
 
 def quantize(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:

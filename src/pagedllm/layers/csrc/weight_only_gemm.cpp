@@ -1,7 +1,9 @@
 // Weight-only int8 / int4 products: y[M, N] = x[M, K] . W[N, K]^T
 //
 // The weight stays quantized in memory, in groups of G input features (G a multiple of 32)
-// with one fp32 scale (and, for int4, one fp32 offset) per output row and group:
+// with one scale (and, for int4, one offset) per output row and group, fp32, or fp16 as a GGUF
+// file stores them (kept so: the weight's bytes are the file's, and at one row of x the
+// product streams them from memory):
 //   int8: W[n, k] = scale[n, k / G] * q[n, k],                       q int8
 //   int4: W[n, k] = scale[n, k / G] * q[n, k] + offset[n, k / G],     q in [0, 15]
 // int4 codes are two per byte in blocks of 32 features: byte j of a block holds feature j in
@@ -17,11 +19,12 @@
 // (straight into bf16 for a bf16 x where the CPU converts natively) and multiplied with ATen's
 // GEMM in x's dtype.
 //
-// The instruction set (AVX-512, AVX2 + FMA, portable C++) is picked at run time, each
+// The instruction set (AVX-512, AVX2 + FMA + F16C, portable C++) is picked at run time, each
 // compiled with its own target attribute, so one build serves any x86 CPU. Sums run in fp32
 // in a fixed order per instruction set.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "balanced_for.h"
@@ -54,7 +57,9 @@ bool cpu_runs(Isa i) {
   __builtin_cpu_init();
   switch (i) {
     case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     default: return true;
   }
 #else
@@ -85,12 +90,26 @@ Isa isa_from_name(const std::string& name) {
   TORCH_CHECK(false, "unknown instruction set ", name);
 }
 
+// A weight's scales or offsets [N, K / G]: fp32 or fp16.
+struct Constants {
+  const void* data = nullptr;
+  bool half = false;
+
+  const float* f32() const { return static_cast<const float*>(data); }
+  const uint16_t* f16() const { return static_cast<const uint16_t*>(data); }
+  int64_t bytes() const { return half ? 2 : 4; }
+  const char* address(int64_t i) const { return static_cast<const char*>(data) + i * bytes(); }
+  float at(int64_t i) const {  // portable C++
+    return half ? float(c10::Half(f16()[i], c10::Half::from_bits())) : f32()[i];
+  }
+};
+
 // The operands of one call, as raw pointers.
 struct Operands {
   const float* x;        // [M, K]
   const uint8_t* q;      // int8: [N, K] bytes; int4: [N, K / 2] bytes
-  const float* scale;    // [N, K / G]
-  const float* offset;   // [N, K / G] (int4) or nullptr
+  Constants scale;       // [N, K / G]
+  Constants offset;      // [N, K / G] (int4); data nullptr for int8
   int64_t m, n, k, group;
   bool int4;
   int64_t groups;            // K / G
@@ -105,10 +124,10 @@ struct Operands {
 // One block's 32 weights of row n as fp32 (the reference every path matches in value).
 void unpack_scalar(const Operands& o, int64_t n, int64_t b, float* w) {
   const int64_t g = o.group_of[b], groups = o.groups;
-  const float s = o.scale[n * groups + g];
+  const float s = o.scale.at(n * groups + g);
   if (o.int4) {
     const uint8_t* src = o.block(n, b);
-    const float off = o.offset[n * groups + g];
+    const float off = o.offset.at(n * groups + g);
     for (int j = 0; j < kBlock / 2; ++j) {
       w[j] = float(src[j] & 0xF) * s + off;
       w[j + kBlock / 2] = float(src[j] >> 4) * s + off;
@@ -136,19 +155,24 @@ void rows_scalar(const Operands& o, int64_t n0, int64_t n1, float* y) {
 }
 
 #if PAGEDLLM_X86 && defined(__GNUC__)
+// One constant with F16C's conversion (every AVX2 CPU has it).
+__attribute__((target("f16c"))) inline float constant(const Constants& c, int64_t i) {
+  return c.half ? _cvtsh_ss(c.f16()[i]) : c.f32()[i];
+}
+
 // ---- AVX-512: a block is two 16-lane vectors ----------------------------------------------
-__attribute__((target("avx512f,avx512bw"))) inline void unpack_avx512(const Operands& o,
-                                                                      int64_t n, int64_t b,
-                                                                      __m512& lo, __m512& hi) {
+__attribute__((target("avx512f,avx512bw,f16c"))) inline void unpack_avx512(const Operands& o,
+                                                                           int64_t n, int64_t b,
+                                                                           __m512& lo, __m512& hi) {
   const int64_t groups = o.groups, g = o.group_of[b];
-  const __m512 s = _mm512_set1_ps(o.scale[n * groups + g]);
+  const __m512 s = _mm512_set1_ps(constant(o.scale, n * groups + g));
   if (o.int4) {
     const __m128i bytes = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(o.block(n, b)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(bytes, mask);
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m512 off = _mm512_set1_ps(o.offset[n * groups + g]);
+    const __m512 off = _mm512_set1_ps(constant(o.offset, n * groups + g));
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), s, off);
     hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), s, off);
   } else {
@@ -163,8 +187,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void unpack_avx512(const Oper
 // R weight rows x M rows of x; each unpacked block serves all M rows. The two halves of a
 // block accumulate apart, so R x M x 2 independent FMA chains hide the FMA latency.
 template <int M, int R>
-__attribute__((target("avx512f,avx512bw"))) void tile_avx512(const Operands& o, int64_t n0,
-                                                             int64_t r0, float* y) {
+__attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const Operands& o, int64_t n0,
+                                                                  int64_t r0, float* y) {
   __m512 acc[R][M][2];
   for (int t = 0; t < R; ++t)
     for (int r = 0; r < M; ++r) acc[t][r][0] = acc[t][r][1] = _mm512_setzero_ps();
@@ -185,17 +209,17 @@ __attribute__((target("avx512f,avx512bw"))) void tile_avx512(const Operands& o, 
 }
 
 // ---- AVX2: a block is four 8-lane vectors ---------------------------------------------------
-__attribute__((target("avx2,fma"))) inline void unpack_avx2(const Operands& o, int64_t n,
-                                                            int64_t b, __m256 w[4]) {
+__attribute__((target("avx2,fma,f16c"))) inline void unpack_avx2(const Operands& o, int64_t n,
+                                                                 int64_t b, __m256 w[4]) {
   const int64_t groups = o.groups, g = o.group_of[b];
-  const __m256 s = _mm256_set1_ps(o.scale[n * groups + g]);
+  const __m256 s = _mm256_set1_ps(constant(o.scale, n * groups + g));
   if (o.int4) {
     const __m128i bytes = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(o.block(n, b)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(bytes, mask);
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 off = _mm256_set1_ps(o.offset[n * groups + g]);
+    const __m256 off = _mm256_set1_ps(constant(o.offset, n * groups + g));
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     for (int i = 0; i < 4; ++i)
       w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, off);
@@ -216,8 +240,8 @@ __attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
 }
 
 template <int M, int R>
-__attribute__((target("avx2,fma"))) void tile_avx2(const Operands& o, int64_t n0, int64_t r0,
-                                                   float* y) {
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Operands& o, int64_t n0, int64_t r0,
+                                                        float* y) {
   __m256 acc[R][M][2];
   for (int t = 0; t < R; ++t)
     for (int r = 0; r < M; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
@@ -408,22 +432,46 @@ __attribute__((target("avx2,fma"))) inline void totals8_avx2(const uint8_t* w, c
   }
 }
 
-// Eight blocks' constants from block b on, of one weight row's (`row`, [groups]), in the order
-// of their totals: a masked load where a group is a block (the weight's constants past its
-// last block are never read), else a gather of each block's group.
-__attribute__((target("avx2,fma"))) inline __m256 constants8(const Operands& o, const float* row,
-                                                             int64_t b, __m256i lanes,
-                                                             __m256i order) {
-  if (o.group == kBlock) return _mm256_permutevar8x32_ps(_mm256_maskload_ps(row + b, lanes), order);
+// fp16 constants of blocks [b, b + count) (count <= 8) of the weight row whose constants begin
+// at src, one at a time (constants8's rare case: a wider group, the weight's last row). In
+// registers: eight stores and a load of them would stall the load.
+__attribute__((noinline)) __m128i half_constants(const Operands& o, const uint16_t* src,
+                                                 int64_t b, int count) {
+  auto at = [&](int j) { return j < count ? short(src[o.group_of[b + j]]) : short(0); };
+  return _mm_setr_epi16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7));
+}
+
+// Eight blocks' constants from block b on (count of them; 0 past those), of the weight row
+// whose constants begin at `row`, in the order of their totals. A group a block: a masked load
+// of fp32 (the weight's constants past its last block are never read); of fp16, a load of
+// eight (the next row's past this row's last block, masked off) and their conversion. A wider
+// group: a gather of each block's group.
+template <bool kHalf>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 constants8(const Operands& o,
+                                                                  const Constants& c, int64_t row,
+                                                                  int64_t b, int count,
+                                                                  __m256i lanes, __m256i order) {
+  if constexpr (kHalf) {
+    const uint16_t* src = c.f16() + row;
+    const __m128i bits =
+        o.group == kBlock && row + b + 8 <= o.n * o.groups
+            ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b))
+            : half_constants(o, src, b, count);
+    const __m256 v = _mm256_and_ps(_mm256_cvtph_ps(bits), _mm256_castsi256_ps(lanes));
+    return _mm256_permutevar8x32_ps(v, order);
+  }
+  const float* f = c.f32() + row;
+  if (o.group == kBlock) return _mm256_permutevar8x32_ps(_mm256_maskload_ps(f + b, lanes), order);
   const __m256i groups = _mm256_permutevar8x32_epi32(_mm256_maskload_epi32(o.group_of + b, lanes), order);
-  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), row, groups,
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), f, groups,
                                   _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(lanes, order)), 4);
 }
 
-// y[r, n] for weight rows [n0, n1), R at a time, and every row of x (its P parts summed).
-template <bool kInt4, int R, int P>
-__attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const RoundedX& x,
-                                                        int64_t n0, int64_t n1, float* y) {
+// y[r, n] for weight rows [n0, n1), R at a time, and every row of x (its P parts summed);
+// kHalf: fp16 constants.
+template <bool kInt4, bool kHalf, int R, int P>
+__attribute__((target("avx2,fma,f16c"))) void rows_int8_avx2(const Operands& o, const RoundedX& x,
+                                                             int64_t n0, int64_t n1, float* y) {
   const int64_t blocks = o.k / kBlock, row_bytes = kInt4 ? o.k / 2 : o.k;
   const int64_t stride = x.padded * kBlock;  // one part's codes
   const __m256i order = kInt4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
@@ -437,10 +485,9 @@ __attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const
       const int64_t ahead = std::min(n + kAhead * R, n1 - 1);
       for (int64_t i = 0; i < R * row_bytes; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead * row_bytes + i), _MM_HINT_T0);
-      for (int64_t i = 0; i < R * o.groups * 4; i += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(o.scale + ahead * o.groups) + i, _MM_HINT_T0);
-        if constexpr (kInt4)
-          _mm_prefetch(reinterpret_cast<const char*>(o.offset + ahead * o.groups) + i, _MM_HINT_T0);
+      for (int64_t i = 0; i < R * o.groups * o.scale.bytes(); i += 64) {
+        _mm_prefetch(o.scale.address(ahead * o.groups) + i, _MM_HINT_T0);
+        if constexpr (kInt4) _mm_prefetch(o.offset.address(ahead * o.groups) + i, _MM_HINT_T0);
       }
       __m256 acc[R];
       for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
@@ -453,13 +500,13 @@ __attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const
           __m256i totals[P];
           totals8_avx2<kInt4, P>(o.q + (n + t) * row_bytes + b * (row_bytes / blocks),
                                  xq + b * kBlock, stride, count, totals);
-          const __m256 ws = constants8(o, o.scale + row, b, lanes, order);
+          const __m256 ws = constants8<kHalf>(o, o.scale, row, b, count, lanes, order);
           for (int p = 0; p < P; ++p)
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[p]),
                                      _mm256_mul_ps(ws, _mm256_loadu_ps(sx + p * x.padded + b)),
                                      acc[t]);
           if constexpr (kInt4) {
-            const __m256 wo = constants8(o, o.offset + row, b, lanes, order);
+            const __m256 wo = constants8<kHalf>(o, o.offset, row, b, count, lanes, order);
             for (int p = 0; p < P; ++p)
               acc[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + p * x.padded + b), acc[t]);
           }
@@ -470,12 +517,18 @@ __attribute__((target("avx2,fma"))) void rows_int8_avx2(const Operands& o, const
   }
 }
 
-template <bool kInt4, int P>
+template <bool kInt4, bool kHalf, int P>
 void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, float* y) {
   constexpr int R = P == 1 ? 2 : 1;  // two weight rows a pass where the registers allow
   const int64_t whole = n0 + (n1 - n0) / R * R;
-  rows_int8_avx2<kInt4, R, P>(o, x, n0, whole, y);
-  if (whole < n1) rows_int8_avx2<kInt4, 1, P>(o, x, whole, n1, y);
+  rows_int8_avx2<kInt4, kHalf, R, P>(o, x, n0, whole, y);
+  if (whole < n1) rows_int8_avx2<kInt4, kHalf, 1, P>(o, x, whole, n1, y);
+}
+
+template <bool kInt4, bool kHalf>
+void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, float* y) {
+  if (x.parts == 2) return rows_int8<kInt4, kHalf, 2>(o, x, n0, n1, y);
+  rows_int8<kInt4, kHalf, 1>(o, x, n0, n1, y);
 }
 
 // x [M, K] fp32, a few rows -> y [M, N] fp32 on int8 x (parts 1 or 2 a row).
@@ -497,10 +550,10 @@ at::Tensor int8_x_linear(const at::Tensor& xf, const Operands& o, int parts) {
   float* out = y.data_ptr<float>();
   const int64_t chunk = std::max<int64_t>(4, (16 << 10) / (o.int4 ? k / 2 : k));  // ~16 KiB
   pagedllm_cpu::balanced_for(o.n, chunk, [&](int64_t n0, int64_t n1) {
-    if (o.int4)
-      parts == 2 ? rows_int8<true, 2>(o, x, n0, n1, out) : rows_int8<true, 1>(o, x, n0, n1, out);
-    else
-      parts == 2 ? rows_int8<false, 2>(o, x, n0, n1, out) : rows_int8<false, 1>(o, x, n0, n1, out);
+    if (o.int4 && o.scale.half) return rows_int8<true, true>(o, x, n0, n1, out);
+    if (o.int4) return rows_int8<true, false>(o, x, n0, n1, out);
+    if (o.scale.half) return rows_int8<false, true>(o, x, n0, n1, out);
+    rows_int8<false, false>(o, x, n0, n1, out);
   });
   return y;
 }
@@ -512,8 +565,8 @@ bool int8_x_runs() { return cpu_runs(Isa::kAvx2); }
 #if PAGEDLLM_X86 && defined(__GNUC__)
 // Rows [n0, n1) as fp32 through the kernel's own block unpacking (the slab path's cost beside
 // its GEMM).
-__attribute__((target("avx2,fma"))) void dequantize_rows_avx2(const Operands& w, int64_t n0,
-                                                              int64_t n1, float* out) {
+__attribute__((target("avx2,fma,f16c"))) void dequantize_rows_avx2(const Operands& w, int64_t n0,
+                                                                   int64_t n1, float* out) {
   __m256 v[4];
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) {
@@ -525,8 +578,8 @@ __attribute__((target("avx2,fma"))) void dequantize_rows_avx2(const Operands& w,
 
 // The same rows straight into bf16 (AVX-512 BF16's rounding to nearest even, as ATen's
 // conversion does), for a bf16 x: no fp32 tile to convert.
-__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bf16"))) void dequantize_rows_bf16(
-    const Operands& w, int64_t n0, int64_t n1, at::BFloat16* out) {
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bf16")))
+void dequantize_rows_bf16(const Operands& w, int64_t n0, int64_t n1, at::BFloat16* out) {
   __m256 v[4];
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) {
@@ -724,8 +777,10 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be contiguous 2-D");
   TORCH_CHECK(bits == 8 ? qweight.scalar_type() == at::kChar : qweight.scalar_type() == at::kByte,
               "qweight must be int8 (bits 8) or uint8 (bits 4)");
-  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "scale must be contiguous float32 [N, groups]");
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(scale.dim() == 2 && (half || scale.scalar_type() == at::kFloat) &&
+                  scale.is_contiguous(),
+              "scale must be contiguous float32 or float16 [N, groups]");
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   TORCH_CHECK(qweight.size(1) * (bits == 4 ? 2 : 1) == k, "qweight does not match K = ", k);
   TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32, got ", k);
@@ -735,9 +790,9 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(group % kBlock == 0, "group size must be a multiple of 32, got ", group);
   TORCH_CHECK(bits == 8 || offset.has_value(), "int4 needs an offset tensor");
   if (offset.has_value())
-    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == at::kFloat &&
-                    offset->is_contiguous(),
-                "offset must be float32 like scale");
+    TORCH_CHECK(offset->sizes() == scale.sizes() &&
+                    offset->scalar_type() == scale.scalar_type() && offset->is_contiguous(),
+                "offset must be a contiguous tensor of scale's shape and dtype");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->is_contiguous()),
               "bias must be contiguous [N]");
   // isa "int8" / "int8_residual": x on int8 up to kInt8MaxRows / kResidualMaxRows rows, the
@@ -752,8 +807,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
   for (int64_t b = 0; b < k / kBlock; ++b) group_of[b] = int32_t(b * kBlock / group);
   Operands o{nullptr,  // x: set below where the path reads it in fp32
              reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-             scale.data_ptr<float>(),
-             bits == 4 ? offset->data_ptr<float>() : nullptr,
+             Constants{scale.data_ptr(), half},
+             Constants{bits == 4 ? offset->data_ptr() : nullptr, half},
              m, n, k, group, bits == 4, k / group, group_of.data()};
 #if PAGEDLLM_X86 && defined(__GNUC__)
   const bool slices = i == Isa::kAvx2 && m > kSliceMinRows;
