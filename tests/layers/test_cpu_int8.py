@@ -66,6 +66,41 @@ def test_matches_reference_on_every_isa(levels: int, m: int, n: int, k: int) -> 
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 21])
+def test_avx2_rows_in_passes_of_four_equal_the_scalar_kernel_bit_for_bit(m: int) -> None:
+    """AVX2 takes up to 4 rows of x a pass over a weight block (5-8 rows in two passes) and
+    rescales whole blocks of 16 outputs on 8 lanes: the integer sums are exact and the
+    rescale rounds as the scalar loop does, so the outputs are equal, with and without a bias
+    and with a partial last block (40 outputs)."""
+    if "avx2" not in runnable_isas(63):
+        unavailable("this CPU has no AVX2")
+    torch.manual_seed(m)
+    for n, bias in ((64, None), (40, torch.randn(40))):
+        x = torch.randn(m, 130) * 3
+        q, scale = quantize_weight(torch.randn(n, 130))
+        packed, rowsum = cpu_int8.pack(q)
+        scalar = cpu_int8.linear(x, packed, rowsum, scale, 63, bias, isa="scalar")
+        got = cpu_int8.linear(x, packed, rowsum, scale, 63, bias, isa="avx2")
+        assert torch.equal(got, scalar), (m, n)
+
+
+def test_activations_round_half_to_even_as_torch_does() -> None:
+    """x's codes (the CPU's vector loops, 8 or 16 features at a time, and the scalar tail)
+    are torch's: with an identity weight each output is a code times the row's step, and
+    with a step of 1 every other x is a tie, which rounds to even."""
+    torch.manual_seed(5)
+    k, levels = 130, 63
+    x = torch.randint(-126, 127, (3, k)).float() / 2  # halves: every odd one a tie
+    x[:, 0] = levels  # absmax / levels = 1: the step
+    x[1, 5] = -levels
+    packed, rowsum = cpu_int8.pack(torch.eye(k, dtype=torch.int8))
+    want = reference(x, torch.eye(k, dtype=torch.int8), torch.ones(k), levels)
+    assert torch.equal(want, x.round())  # half to even
+    for name in runnable_isas(levels):
+        got = cpu_int8.linear(x, packed, rowsum, torch.ones(k), levels, isa=name)
+        assert torch.equal(got, want), name
+
+
 def test_pack_unpack_round_trip() -> None:
     q = torch.randint(-127, 128, (37, 50), dtype=torch.int8)
     packed, _ = cpu_int8.pack(q)
