@@ -232,7 +232,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const int8_t* w, const uint8_
 
 // More rows in two passes over the block (in L1 for the second): eight at once needed 20
 // registers, and GCC kept the accumulators on the stack, a load and a store for every add
-// (SmolLM2's products at 48 and 512 rows, one thread, builds taking turns: gate/up 87-129 ->
+// (SmolLM2's products at 48 and 512 rows, one thread, builds taking turns: gate/up 86-129 ->
 // 136-149 GOP/s, o 68-107 -> 116-124).
 template <int M>
 void block_avx2(const int8_t* w, const uint8_t* xu, int64_t kp, int32_t* acc) {
