@@ -3,6 +3,12 @@
     nice -n 5 python benchmarks/attention.py [--cases decode-125m,prefill-8x64-1024,...]
         [--reps 5] [--out benchmarks/results/attention.md]
 
+Before and after a change to the C++ kernel, in one process, taking turns:
+
+    git worktree add ../base COMMIT
+    python benchmarks/attention.py --against ../base --threads 2 --layers 30 \
+        --cases decode-smollm2-48,decode-smollm2-1,prefill-smollm2-4
+
 Each case is a varlen batch (bf16, causal). Implementations:
   naive         materialised scores, masked softmax, every sequence padded to the longest
   sdpa/seq      torch.nn.functional.scaled_dot_product_attention, one sequence at a time, on
@@ -10,6 +16,10 @@ Each case is a varlen batch (bf16, causal). Implementations:
   torch backend the engine's "torch" backend over the paged cache (block_size 16)
   cpu backend   the engine's "cpu" backend (C++ kernel) over the same paged cache
   flash_attn    pagedllm.attention.flash_attn_varlen_func on contiguous varlen K/V
+With --against DIR, only the C++ kernel itself (its op, no backend around it): this tree's
+build ("cpu kernel") and DIR's src/pagedllm/attention/csrc/attention.cpp built beside it under
+another op namespace ("cpu kernel @DIR"). --layers N gives each call its own of N caches in
+turn, as a decode step's layers do, so the keys come from memory rather than the caches.
 Times are the best of --reps runs (naive: one run), implementations interleaved so that they
 share the machine's load. The ratios use CPU time of one thread (--threads 1, the default):
 on a shared machine it is what the work costs, where wall time mostly measures the neighbours.
@@ -18,7 +28,9 @@ on a shared machine it is what the work costs, where wall time mostly measures t
 from __future__ import annotations
 
 import argparse
-import platform
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +43,9 @@ from pagedllm.attention import cpu_kernels, flash_attn_varlen_func, get_tuning
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_flags, load_average, machine  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -55,15 +70,22 @@ CASES = {
         Case("decode-16x64-2048", [1] * 16, spread(16, 64, 2048), 32, 8, 128, 32),
         Case("prefill-8x64-1024", spread(8, 64, 1024), spread(8, 64, 1024), 16, 4, 64, 16),
         Case("prefill-16x64-2048", spread(16, 64, 2048), spread(16, 64, 2048), 32, 8, 128, 2),
+        # SmolLM2-135M's attention (9 query heads, 3 KV heads, d=64): the serving workload's
+        # decode batch (48 sequences, prompts of 96-480 tokens plus their outputs), batch 1,
+        # and a prefill chunk of four prompts
+        Case("decode-smollm2-48", [1] * 48, spread(48, 100, 600), 9, 3, 64, 9),
+        Case("decode-smollm2-1", [1], [330], 9, 3, 64, 9),
+        Case("prefill-smollm2-4", [150, 200, 288, 400], [150, 200, 288, 400], 9, 3, 64, 9),
     ]
 }
 BLOCK_SIZE = 16
 
 
 class Inputs:
-    """One case's tensors: flat q/k/v, the paged cache holding the same K/V, the metadata."""
+    """One case's tensors: flat q/k/v, the paged cache holding the same K/V (and `layers` - 1
+    copies of it, for the raw kernels), the metadata."""
 
-    def __init__(self, case: Case, dtype: torch.dtype) -> None:
+    def __init__(self, case: Case, dtype: torch.dtype, layers: int = 1) -> None:
         g = torch.Generator().manual_seed(0)
         total_q, total_k = sum(case.query_lens), sum(case.key_lens)
         self.q = torch.randn(total_q, case.heads, case.head_dim, generator=g).to(dtype)
@@ -88,6 +110,9 @@ class Inputs:
         all_slots = torch.cat(slots)
         self.k_cache.view(-1, *shape[2:])[all_slots] = self.k
         self.v_cache.view(-1, *shape[2:])[all_slots] = self.v
+        self.caches = [(self.k_cache, self.v_cache)]
+        self.caches += [(self.k_cache.clone(), self.v_cache.clone()) for _ in range(layers - 1)]
+        self.table = table
         rows = torch.cat(new_rows)  # this step's tokens: the last query_len keys of each seq
         self.new_k, self.new_v = self.k[rows], self.v[rows]
         self.metadata = AttentionMetadata.paged(
@@ -149,7 +174,61 @@ def sdpa_per_sequence(case: Case, x: Inputs, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def implementations(case: Case, x: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
+def load_against(tree: Path) -> Callable:
+    """The varlen_attention op of another tree's kernel source, built under its own namespace."""
+    from pagedllm.cpp_build import arch_flags, load_cpp_ops
+
+    source = (tree / "src/pagedllm/attention/csrc/attention.cpp").read_text()
+    library = "TORCH_LIBRARY(pagedllm_attention,"
+    renamed = source.replace(library, "TORCH_LIBRARY(attention_against,")
+    if renamed == source:
+        raise SystemExit(f"{tree}: no TORCH_LIBRARY(pagedllm_attention, ...) in attention.cpp")
+    copy = Path(tempfile.mkdtemp()) / "attention_against.cpp"
+    copy.write_text(renamed)
+    load_cpp_ops(copy, ["-O3", "-fopenmp", *arch_flags()], "attention_against", f"{tree}'s kernel")
+    return torch.ops.attention_against.varlen_attention
+
+
+def raw_kernel(op: Callable, case: Case, x: Inputs) -> Callable[[], torch.Tensor]:
+    """The C++ kernel's op on the paged cache, each call on the next of x's caches."""
+    tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads, x.q.dtype)
+    seq_lens = torch.tensor(case.key_lens, dtype=torch.int32)
+    calls = iter(range(1 << 62))
+
+    def run() -> torch.Tensor:
+        k_cache, v_cache = x.caches[next(calls) % len(x.caches)]
+        out = torch.empty_like(x.q)
+        op(
+            x.q,
+            k_cache,
+            v_cache,
+            out,
+            x.cu_q,
+            seq_lens,
+            None,
+            x.table,
+            None,
+            case.head_dim**-0.5,
+            -1,
+            0,
+            tiles.block_m,
+            tiles.block_n,
+        )
+        return out
+
+    return run
+
+
+def implementations(
+    case: Case, x: Inputs, against: tuple[str, Callable] | None = None
+) -> dict[str, Callable[[], torch.Tensor]]:
+    if against is not None:
+        name, op = against
+        return {
+            "naive": lambda: naive(case, x, case.head_dim**-0.5),
+            "cpu kernel": raw_kernel(torch.ops.pagedllm_attention.varlen_attention, case, x),
+            f"cpu kernel @{name}": raw_kernel(op, case, x),
+        }
     scale = case.head_dim**-0.5
     torch_backend, cpu_backend = TorchAttentionBackend(), CpuAttentionBackend()
 
@@ -176,10 +255,14 @@ def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Timing]:
     return out, (1e3 * (time.process_time() - cpu), 1e3 * (time.perf_counter() - wall))
 
 
-def measure(case: Case, reps: int) -> dict[str, Timing]:
-    """Best of reps for each implementation (naive: its one reference run)."""
-    x = Inputs(case, torch.bfloat16)
-    impls = implementations(case, x)
+def measure(
+    case: Case, reps: int, layers: int = 1, against: tuple[str, Callable] | None = None
+) -> dict[str, Timing]:
+    """Best of reps for each implementation (naive: its one reference run); with layers, a
+    timing covers `layers` calls (one per cache)."""
+    x = Inputs(case, torch.bfloat16, layers if against else 1)
+    impls = implementations(case, x, against)
+    calls = len(x.caches)
     with torch.inference_mode():
         want, naive_time = timed(impls.pop("naive"))
         best = {"naive": naive_time}
@@ -189,8 +272,8 @@ def measure(case: Case, reps: int) -> dict[str, Timing]:
             best[name] = (float("inf"), float("inf"))
         for _ in range(reps):  # interleaved: every implementation sees the same load
             for name, fn in impls.items():
-                _, (cpu, wall) = timed(fn)
-                best[name] = (min(best[name][0], cpu), min(best[name][1], wall))
+                _, (cpu, wall) = timed(lambda fn=fn: [fn() for _ in range(calls)][-1])
+                best[name] = (min(best[name][0], cpu / calls), min(best[name][1], wall / calls))
     return best
 
 
@@ -205,15 +288,22 @@ def describe(case: Case) -> str:
 
 
 def table(results: dict[str, dict[str, Timing]]) -> str:
+    """CPU and wall ms a call; the ratios of CPU time against naive and sdpa/seq, or with
+    --against, of wall time against the other tree's kernel (several threads: CPU time counts
+    their spinning too)."""
+    first = next(iter(results.values()))
+    base = next((n for n in first if n.startswith("cpu kernel @")), None)
+    last = f"vs {base}" if base else "vs sdpa/seq"
     lines = [
-        "| case | implementation | CPU ms | wall ms | vs naive | vs sdpa/seq |",
+        f"| case | implementation | CPU ms | wall ms | vs naive | {last} |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for case_name, times in results.items():
         for name, (cpu, wall) in times.items():
+            ratio = times[base][1] / wall if base else times["sdpa/seq"][0] / cpu
             lines.append(
-                f"| {case_name} | {name} | {cpu:.2f} | {wall:.2f} | "
-                f"{times['naive'][0] / cpu:.2f}x | {times['sdpa/seq'][0] / cpu:.2f}x |"
+                f"| {case_name} | {name} | {cpu:.3f} | {wall:.3f} | "
+                f"{times['naive'][0] / cpu:.2f}x | {ratio:.2f}x |"
             )
     return "\n".join(lines)
 
@@ -224,14 +314,27 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write the table (markdown)")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="another tree (a git worktree): its C++ kernel against this one's, taking turns",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="with --against: caches taken in turn, one a call (30: a decode step of SmolLM2)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load():
         raise SystemExit("the C++ kernel did not build; nothing to compare")
+    against = (args.against.name, load_against(args.against)) if args.against else None
     results: dict[str, dict[str, float]] = {}
     for name in args.cases.split(","):
         case = CASES[name]
-        results[name] = measure(case, args.reps)
+        results[name] = measure(case, args.reps, args.layers, against)
         tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads)
         print(
             f"{name}: {describe(case)}; tiles block_m={tiles.block_m} block_n={tiles.block_n}",
@@ -239,10 +342,14 @@ def main() -> None:
         )
         print(table({name: results[name]}), flush=True)
     text = table(results)
-    header = (
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}"
-    )
+    header = f"{machine()}; {cpu_flags()}; {load_average()}"
+    if args.against:
+        commit = subprocess.run(
+            ["git", "-C", str(args.against), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        header += f"; against {commit or args.against}, {args.layers} caches in turn"
     print(header)
     if args.out:
         args.out.write_text(header + "\n\n" + text + "\n")

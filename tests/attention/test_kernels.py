@@ -203,6 +203,44 @@ def test_bf16_prefill_tiles_score_as_a_gemm_within_tolerance(head_dim, many_row_
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_tiles_score_as_a_gemm_on_the_vector_path(dtype):
+    """The vector-extension path (every dtype; bf16 too with vdpbf16ps off): a tile of more than
+    8 query rows scores as a small GEMM (keys transposed into fp32 once, 6 rows x 16 keys a
+    pass), a decode tile of a few rows as dot products. Against the reference over head dims
+    of 1-8 vectors, GQA groups of 1-4 (row counts of every remainder of 6), key counts that
+    leave a last group of 8, windows, paged and contiguous; decode-only batches count no GEMM
+    tile."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    before_dot = cpu_kernels.bf16_dot()
+    cpu_kernels.bf16_dot(False)
+    try:
+        rng = random.Random(11)
+        for seed, head_dim in enumerate([16, 48, 64, 128, 64, 80]):
+            case = random_case(rng, (dtype,), (head_dim,))
+            case.kv_heads = rng.choice([1, 2, 3])
+            case.heads = case.kv_heads * (seed % 4 + 1)
+            case.k_lens = [rng.randint(9, 150) for _ in range(3)]
+            case.k_lens[0] = 64 + 8 * rng.randint(1, 7) + rng.randint(-7, 0)  # a last 8 group
+            case.q_lens = [rng.randint(3, k) for k in case.k_lens]
+            case.causal = True
+            case.window = [(-1, -1), (29, -1), (40, 3)][seed % 3]
+            before = cpu_kernels.gemm_tiles()
+            out, lse, want, want_lse = run_case("cpu", case, seed, 16 if seed % 2 else None)
+            assert cpu_kernels.gemm_tiles() > before
+            torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+            torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+            case.q_lens = [1] * len(case.k_lens)  # decode: at most 4 rows a tile
+            before = cpu_kernels.gemm_tiles()
+            out, _, want, _ = run_case("cpu", case, seed, 16)
+            assert cpu_kernels.gemm_tiles() == before
+            torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        cpu_kernels.bf16_dot(before_dot)
+
+
 def test_amx_tiles_are_on_by_default_where_the_cpu_has_them():
     """The kernel asks Linux for the tile state once; on a CPU with AMX-BF16 the many-row
     products take the tiles unless PAGEDLLM_CPU_AMX_ATTENTION=0."""

@@ -81,8 +81,8 @@ def tile_keys() -> int:
 
 
 def gemm_tiles() -> int:
-    """bf16 key tiles scored as a small GEMM so far in this process (the vdpbf16ps path with
-    many query rows a tile, prefill's: keys transposed once, V pairs interleaved once).
+    """Key tiles scored as a small GEMM so far in this process (many query rows a tile,
+    prefill's: keys transposed once; on the vdpbf16ps path V pairs interleaved once too).
     load() must be True."""
     return int(torch.ops.pagedllm_attention.gemm_tiles())
 

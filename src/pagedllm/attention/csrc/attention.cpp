@@ -5,10 +5,12 @@
 // times the query heads sharing a kv head (GQA), so every K/V row loaded serves the group.
 // Too few items for the threads (decode of a few sequences) and each one's keys are split into
 // chunks, merged by the chunk that finishes last (flash-decoding).
-// Scores: a 4-row x 2-key dot-product micro-kernel whose 8 partial vectors are reduced
-// together (hadd tree). P @ V: a 4-row x 16-dim outer-product micro-kernel. Both convert
-// bf16/fp16 rows on the fly. Written with GCC/Clang vector extensions: AVX2 registers here,
-// NEON pairs elsewhere, no intrinsics.
+// Scores of a few rows (decode: a GQA group): dot products of up to 4 rows x 2-8 keys whose
+// 8-12 partial vectors are reduced together (hadd tree), K rows read in place. Many rows
+// (prefill): the tile's keys transposed into fp32 once, then a 6-row x 16-key GEMM micro-kernel.
+// P @ V: an outer-product micro-kernel of up to 6 rows x 16-64 features. bf16 / fp16 rows are
+// widened on the fly. Written with GCC/Clang vector extensions: AVX2 registers here, NEON pairs
+// elsewhere, no intrinsics.
 //
 // bf16 K/V on a CPU with AVX512-BF16 (checked at run time) take a path of their own, with
 // both products on vdpbf16ps (two bf16 products summed into an fp32 lane): scores as 16 dot
@@ -228,9 +230,11 @@ struct SplitGroup {
 struct Scratch {
   std::vector<float> q, o, m, l;       // per kv head of the item: [rows][dim], [rows]
   std::vector<float> s, alpha;         // one head's scores / probabilities [rows][n_pad]
-  std::vector<float> kf, vf;           // fp32 copy of one head's key tile [n_pad][dim]
+  std::vector<float> kf;               // many rows: one head's key tile transposed [dim][n_pad]
+  std::vector<float> vf;               // many rows: one head's value tile in fp32 [n_pad][dim]
   std::vector<int64_t> koff, voff;     // element offsets of the tile's keys (kv head 0)
-  std::vector<const void*> krow, vrow;  // the tile's rows for the current head
+  std::vector<int64_t> dense;          // offsets of the rows of vf
+  std::vector<const void*> krow, vrow;  // bf16-dot path: the tile's rows of each head
   std::vector<int64_t> pos;            // query position of each row
   std::vector<uint16_t> qb;            // bf16-dot path: the rows' queries as stored (bf16)
   std::vector<uint32_t> pb;            // bf16-dot path: probabilities, bf16 pairs of keys
@@ -255,53 +259,151 @@ inline void row_blocks(int rows, F&& f) {
   rest_block<RMax - 1>(r, rows - r, f);
 }
 
-// s[r][c] = <q[r], k[c]> for R rows and 2 keys; 2R partial vectors reduced together.
-template <int R, typename T>
-inline void qk_block(const float* q, int dim, const T* k0, const T* k1, float* s, int s_stride) {
-  v8f acc[8] = {};
+// The rows of one kv head in a key tile: row c at base + off[c] (the cache's slots in place, or
+// the tile's fp32 copy in scratch).
+template <typename T>
+struct TileRows {
+  const T* base;
+  const int64_t* off;
+  ALWAYS_INLINE const T* operator[](int c) const { return base + off[c]; }
+};
+
+// Keys a score block takes for R rows: at least 8 partial vectors, so that 8 FMA chains hide
+// the FMA's latency (4 cycles, 2 a cycle), and at most 12, so that they stay in registers
+// beside a key's two vectors (the queries are memory operands).
+template <int R>
+constexpr int score_keys() {
+  return R == 1 ? 8 : R == 4 ? 2 : 4;
+}
+
+// s[r][c] = <q[r], k[c0 + c]> for R rows and NK keys: R x NK partial vectors, reduced 8 at a
+// time (hadd tree).
+template <int R, int NK, typename T>
+ALWAYS_INLINE void qk_block(const float* q, int dim, const TileRows<T>& k, int c0, float* s,
+                            int s_stride) {
+  constexpr int A = R * NK, A8 = (A + 7) / 8 * 8;
+  v8f acc[A8] = {};
+  const T* key[NK];
+  for (int c = 0; c < NK; ++c) key[c] = k[c0 + c];
   for (int d = 0; d < dim; d += 16) {
-    v8f a0, a1, b0, b1;
-    load16(k0 + d, a0, a1);
-    load16(k1 + d, b0, b1);
-    for (int r = 0; r < R; ++r) {
-      v8f x0 = load8(q + r * dim + d), x1 = load8(q + r * dim + d + 8);
-      acc[2 * r] += x0 * a0;  // two separate fused multiply-adds each
-      acc[2 * r] += x1 * a1;
-      acc[2 * r + 1] += x0 * b0;
-      acc[2 * r + 1] += x1 * b1;
+    for (int c = 0; c < NK; ++c) {
+      v8f a, b;
+      load16(key[c] + d, a, b);
+      for (int r = 0; r < R; ++r) {
+        acc[r * NK + c] += load8(q + r * dim + d) * a;  // two separate fused multiply-adds
+        acc[r * NK + c] += load8(q + r * dim + d + 8) * b;
+      }
     }
   }
-  v8f sums = reduce8(acc);
-  for (int r = 0; r < R; ++r) {
-    s[r * s_stride] = sums[2 * r];
-    s[r * s_stride + 1] = sums[2 * r + 1];
+  for (int g = 0; g < A8; g += 8) {
+    const v8f sums = reduce8(acc + g);
+    for (int i = 0; i < 8 && g + i < A; ++i) s[(g + i) / NK * s_stride + (g + i) % NK] = sums[i];
   }
 }
 
-// o[r][:] = o[r][:] * alpha[r] + sum_j p[r][j] v[j][:] for R rows.
-template <int R, typename T>
-inline void pv_block(const float* p, int p_stride, const T* const* vrow, int n, const float* alpha,
-                     float* o, int dim) {
-  for (int d = 0; d < dim; d += 16) {
-    v8f acc[R][2];
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = load8(o + r * dim + d) * alpha[r];
-      acc[r][1] = load8(o + r * dim + d + 8) * alpha[r];
-    }
-    for (int j = 0; j < n; ++j) {
+// o[r][d, d + 16 NC) = o[r][...] * alpha[r] + sum_j p[r][j] v[j][...] for R rows.
+template <int R, int NC, typename T>
+ALWAYS_INLINE void pv_chunk(const float* p, int p_stride, const TileRows<T>& v, int n,
+                            const float* alpha, float* o, int dim, int d) {
+  v8f acc[R][2 * NC];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * NC; ++i) acc[r][i] = load8(o + r * dim + d + 8 * i) * alpha[r];
+  for (int j = 0; j < n; ++j) {
+    const T* row = v[j] + d;
+    for (int c = 0; c < NC; ++c) {
       v8f a, b;
-      load16(vrow[j] + d, a, b);
+      load16(row + 16 * c, a, b);
       for (int r = 0; r < R; ++r) {
-        v8f w = splat(p[r * p_stride + j]);
-        acc[r][0] += w * a;
-        acc[r][1] += w * b;
+        const v8f w = splat(p[r * p_stride + j]);
+        acc[r][2 * c] += w * a;
+        acc[r][2 * c + 1] += w * b;
       }
     }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * NC; ++i) store8(o + r * dim + d + 8 * i, acc[r][i]);
+}
+
+// o[r][:] = o[r][:] * alpha[r] + sum_j p[r][j] v[j][:] for R rows (up to 6), in chunks of
+// features that give 6-12 accumulators: a key's R broadcast probabilities, its two vectors and
+// the mask that widens bf16 must fit beside them (3 rows of 32 features spill an accumulator
+// and take 1.65x as long as 3 rows of 16). before_chunk(d) runs before the chunk from feature d.
+template <int R, typename T, typename F>
+inline void pv_block(const float* p, int p_stride, const TileRows<T>& v, int n, const float* alpha,
+                     float* o, int dim, F&& before_chunk) {
+  constexpr int NC = R == 1 ? 4 : R == 2 ? 2 : 1;  // 16-feature pieces a chunk
+  int d = 0;
+  for (; d + 16 * NC <= dim; d += 16 * NC) {
+    before_chunk(d);
+    pv_chunk<R, NC>(p, p_stride, v, n, alpha, o, dim, d);
+  }
+  for (; d < dim; d += 16) {
+    before_chunk(d);
+    pv_chunk<R, 1>(p, p_stride, v, n, alpha, o, dim, d);
+  }
+}
+
+// ---- many rows (prefill): the scores as a small GEMM ----------------------------------------
+// A tile's keys are transposed into fp32 once, kt[d][c] (d in the rows' lane order), so that one
+// query feature broadcast meets 16 keys in two vectors and no reduction follows: 6 rows x 16
+// keys accumulate in 12 registers, a GEMM's micro-kernel. The values go to fp32 rows (bf16 /
+// fp16 widened, fp32 read in place) for pv_block's 6 rows x 16 features.
+
+// out[j][i] = in[i][j] for 8 x 8 floats (rows `ld` apart in out).
+ALWAYS_INLINE void transpose8(const v8f* in, float* out, int64_t ld) {
+  v8f t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = SHUFFLE(in[i], in[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = SHUFFLE(in[i], in[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = SHUFFLE(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = SHUFFLE(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = SHUFFLE(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = SHUFFLE(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    store8(out + i * ld, SHUFFLE(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    store8(out + (i + 4) * ld, SHUFFLE(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
+// kt[d][c] = key c's feature at lane position d, keys [0, n_pad) (a multiple of 8).
+template <typename T>
+void keys_by_feature(const TileRows<T>& k, int n_pad, int dim, float* kt) {
+  for (int c = 0; c < n_pad; c += 8)
+    for (int d = 0; d < dim; d += 16) {
+      v8f a[8], b[8];
+      for (int i = 0; i < 8; ++i) load16(k[c + i] + d, a[i], b[i]);
+      transpose8(a, kt + (int64_t)d * n_pad + c, n_pad);
+      transpose8(b, kt + (int64_t)(d + 8) * n_pad + c, n_pad);
+    }
+}
+
+// s[r][c0, c0 + 8 NV) = <q[r], k[c]> for R rows: each row's broadcast feature times NV vectors
+// of keys.
+template <int R, int NV>
+ALWAYS_INLINE void gemm_scores(const float* q, int dim, const float* kt, int n_pad, int c0,
+                               float* s) {
+  v8f acc[R][NV] = {};
+  for (int d = 0; d < dim; ++d) {
+    v8f key[NV];
+    for (int i = 0; i < NV; ++i) key[i] = load8(kt + (int64_t)d * n_pad + c0 + 8 * i);
     for (int r = 0; r < R; ++r) {
-      store8(o + r * dim + d, acc[r][0]);
-      store8(o + r * dim + d + 8, acc[r][1]);
+      const v8f x = splat(q[r * dim + d]);
+      for (int i = 0; i < NV; ++i) acc[r][i] += x * key[i];
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) store8(s + r * n_pad + c0 + 8 * i, acc[r][i]);
+}
+
+// The scores of R rows against all n_pad keys of kt.
+template <int R>
+inline void gemm_score_rows(const float* q, int dim, const float* kt, int n_pad, float* s) {
+  int c = 0;
+  for (; c + 16 <= n_pad; c += 16) gemm_scores<R, 2>(q, dim, kt, n_pad, c, s);
+  if (c < n_pad) gemm_scores<R, 1>(q, dim, kt, n_pad, c, s);
 }
 
 // Element offsets of keys [j0, j0 + n) of sequence b (kv head 0); up to n_pad the last repeats.
@@ -431,27 +533,46 @@ void mask_tile(const Problem& p, const int64_t* pos, int rows, int64_t j0, int n
   }
 }
 
+// Rows from which a tile's scores take the GEMM form (its keys transposed once serve them all).
+constexpr int kGemmRows = 8;
+inline bool many_rows(int rows) { return rows > kGemmRows; }
+
 // One kv head's update with one key tile: scores, mask, online softmax, P @ V. Head `part` of
-// the item's `parts` requests its share of the next tile's slots, a few per pair of keys.
+// the item's `parts` requests its share of the next tile's slots: with a few rows half of it a
+// few slots per score block, half a few per chunk of P @ V (all of it while scoring asked for
+// more lines than the core keeps in flight: 48 decoding sequences of 100-600 keys over 30
+// layers' caches, 1.1-1.3x slower); with many rows a few per block of rows scored.
 template <typename T, typename KV>
 void tile_step(const Problem& p, Scratch& w, int rows, int64_t j0, int n, int n_pad, float* q,
-               float* o, float* m, float* l, const NextSlots<T>& next, int part, int parts) {
+               float* o, float* m, float* l, const TileRows<T>& k, const TileRows<KV>& v,
+               const NextSlots<T>& next, int part, int parts) {
   const int D = p.dim;
-  const KV* const* krow = reinterpret_cast<const KV* const*>(w.krow.data());
-  const KV* const* vrow = reinterpret_cast<const KV* const*>(w.vrow.data());
   float* s = w.s.data();
-  row_blocks(rows, [&](int r, auto R) {
-    for (int c = 0; c < n_pad; c += 2) {
-      if (r == 0) next.prefetch_share((int64_t)part * n_pad + c, 2, (int64_t)parts * n_pad);
-      qk_block<decltype(R)::value>(q + (int64_t)r * D, D, krow[c], krow[c + 1], s + r * n_pad + c,
-                                   n_pad);
-    }
-  });
+  if (many_rows(rows)) {  // the GEMM form: the keys transposed once for all rows
+    keys_by_feature(k, n_pad, D, w.kf.data());
+    row_blocks<6>(rows, [&](int r, auto R) {
+      next.prefetch_share((int64_t)part * rows + r, R, (int64_t)parts * rows);
+      gemm_score_rows<decltype(R)::value>(q + (int64_t)r * D, D, w.kf.data(), n_pad,
+                                          s + r * n_pad);
+    });
+  } else {
+    row_blocks(rows, [&](int r, auto R) {
+      constexpr int NK = score_keys<decltype(R)::value>();
+      for (int c = 0; c < n_pad; c += NK) {
+        if (r == 0) next.prefetch_share((int64_t)2 * part * n_pad + c, NK, 2 * parts * n_pad);
+        qk_block<decltype(R)::value, NK>(q + (int64_t)r * D, D, k, c, s + r * n_pad + c, n_pad);
+      }
+    });
+  }
   mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
   softmax_update(s, rows, n, n_pad, m, l, w.alpha.data());
-  row_blocks(rows, [&](int r, auto R) {
-    pv_block<decltype(R)::value>(s + r * n_pad, n_pad, vrow, n, w.alpha.data() + r,
-                                 o + (int64_t)r * D, D);
+  const bool few = !many_rows(rows);
+  const int64_t pv_share = (2 * part + 1) * (int64_t)D, pv_shares = 2 * parts * D;
+  row_blocks<6>(rows, [&](int r, auto R) {
+    pv_block<decltype(R)::value>(
+        s + r * n_pad, n_pad, v, n, w.alpha.data() + r, o + (int64_t)r * D, D, [&](int d) {
+          if (few && r == 0) next.prefetch_share(pv_share + d, 16, pv_shares);
+        });
   });
 }
 
@@ -548,8 +669,8 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
   w.first = false;
 }
 
-// Split groups merged by this process (split_merges(): what the tests read), bf16 key tiles
-// that took the many-rows products (gemm_tiles()), shared-prefix items (shared_prefix_items())
+// Split groups merged by this process (split_merges(): what the tests read), key tiles that
+// took the many-rows products (gemm_tiles()), shared-prefix items (shared_prefix_items())
 // and the keys the tiles computed, padded (tile_keys()).
 std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
 std::atomic<int64_t> amx_key_tiles{0};  // key tiles multiplied on AMX (amx_tiles())
@@ -1199,8 +1320,8 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
   const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
   const int rows = (t1 - t0) * G, n_pad = (p.block_n + 7) / 8 * 8;
-  // Large tiles convert each K/V tile to fp32 once instead of once per 4 rows.
-  const bool convert = !std::is_same<T, float>::value && rows > 8;
+  // Many rows: the keys transposed into fp32 once a tile, the values widened to fp32 rows.
+  const bool many = many_rows(rows), widen = many && !std::is_same<T, float>::value;
   w.q.resize((size_t)H * rows * D);
   w.o.assign((size_t)H * rows * D, 0.0f);
   w.m.assign((size_t)H * rows, kNegInf);
@@ -1208,8 +1329,12 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   w.s.resize((size_t)rows * n_pad);
   w.alpha.resize(rows);
   w.pos.resize(rows);
-  w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad), w.krow.resize(n_pad), w.vrow.resize(n_pad);
-  if (convert) w.kf.resize((size_t)n_pad * D), w.vf.resize((size_t)n_pad * D);
+  w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad);
+  if (many) w.kf.resize((size_t)n_pad * D);
+  if (widen) {
+    w.vf.resize((size_t)n_pad * D), w.dense.resize(n_pad);
+    for (int c = 0; c < n_pad; ++c) w.dense[c] = (int64_t)c * D;
+  }
   for (int h = 0; h < H; ++h)
     load_queries<T>(p, q_start, t0, rows, item.kv0 + h, w.q.data() + (int64_t)h * rows * D);
   // Queries are aligned to the end of the keys (flash-attn's bottom-right causal convention).
@@ -1222,6 +1347,8 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   int64_t *koff = w.koff.data(), *voff = w.voff.data();
   int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
   const int64_t row_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
+  float* vf = w.vf.data();
+  const int64_t* dense = w.dense.data();
   first_tile<T>(p, item, lo, hi, n_pad, koff, voff, row_bytes, w);
   for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
     const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
@@ -1230,29 +1357,21 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
     // A short tile (an item's last) is scored padded to 8 keys, not to a whole tile.
     const int tile_pad = (n + 7) / 8 * 8;
     padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
+    if (many) many_row_tiles.fetch_add(1, std::memory_order_relaxed);
     for (int h = 0; h < H; ++h) {
       const int kv = item.kv0 + h;
-      for (int c = 0; c < tile_pad; ++c) {
-        const T* krow = kbase + koff[c] + kv * p.k_head;
-        const T* vrow = vbase + voff[c] + kv * p.v_head;
-        if (convert) {
-          to_scratch(krow, w.kf.data() + (int64_t)c * D, D, 1.0f);
-          to_scratch(vrow, w.vf.data() + (int64_t)c * D, D, 1.0f);
-          w.krow[c] = w.kf.data() + (int64_t)c * D;
-          w.vrow[c] = w.vf.data() + (int64_t)c * D;
-        } else {
-          w.krow[c] = krow;
-          w.vrow[c] = vrow;
-        }
-      }
+      const TileRows<T> k{kbase + kv * p.k_head, koff}, v{vbase + kv * p.v_head, voff};
       const int64_t off = (int64_t)h * rows;
       float* q = w.q.data() + off * D;
       float* o = w.o.data() + off * D;
       float *m = w.m.data() + off, *l = w.l.data() + off;
-      if (convert)
-        tile_step<T, float>(p, w, rows, j0, n, tile_pad, q, o, m, l, next, h, H);
-      else
-        tile_step<T, T>(p, w, rows, j0, n, tile_pad, q, o, m, l, next, h, H);
+      if (widen) {
+        for (int c = 0; c < tile_pad; ++c) to_scratch(v[c], vf + dense[c], D, 1.0f);
+        tile_step<T, float>(p, w, rows, j0, n, tile_pad, q, o, m, l, k, TileRows<float>{vf, dense},
+                            next, h, H);
+      } else {
+        tile_step<T, T>(p, w, rows, j0, n, tile_pad, q, o, m, l, k, v, next, h, H);
+      }
     }
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
