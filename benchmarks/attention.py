@@ -28,6 +28,7 @@ on a shared machine it is what the work costs, where wall time mostly measures t
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -193,7 +194,7 @@ def raw_kernel(op: Callable, case: Case, x: Inputs) -> Callable[[], torch.Tensor
     """The C++ kernel's op on the paged cache, each call on the next of x's caches."""
     tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads, x.q.dtype)
     seq_lens = torch.tensor(case.key_lens, dtype=torch.int32)
-    calls = iter(range(1 << 62))
+    calls = itertools.count()
 
     def run() -> torch.Tensor:
         k_cache, v_cache = x.caches[next(calls) % len(x.caches)]

@@ -548,7 +548,8 @@ void tile_step(const Problem& p, Scratch& w, int rows, int64_t j0, int n, int n_
                const NextSlots<T>& next, int part, int parts) {
   const int D = p.dim;
   float* s = w.s.data();
-  if (many_rows(rows)) {  // the GEMM form: the keys transposed once for all rows
+  const bool many = many_rows(rows);
+  if (many) {  // the GEMM form: the keys transposed once for all rows
     keys_by_feature(k, n_pad, D, w.kf.data());
     row_blocks<6>(rows, [&](int r, auto R) {
       next.prefetch_share((int64_t)part * rows + r, R, (int64_t)parts * rows);
@@ -566,12 +567,11 @@ void tile_step(const Problem& p, Scratch& w, int rows, int64_t j0, int n, int n_
   }
   mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
   softmax_update(s, rows, n, n_pad, m, l, w.alpha.data());
-  const bool few = !many_rows(rows);
   const int64_t pv_share = (2 * part + 1) * (int64_t)D, pv_shares = 2 * parts * D;
   row_blocks<6>(rows, [&](int r, auto R) {
     pv_block<decltype(R)::value>(
         s + r * n_pad, n_pad, v, n, w.alpha.data() + r, o + (int64_t)r * D, D, [&](int d) {
-          if (few && r == 0) next.prefetch_share(pv_share + d, 16, pv_shares);
+          if (!many && r == 0) next.prefetch_share(pv_share + d, 16, pv_shares);
         });
   });
 }
