@@ -58,8 +58,8 @@ def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, 
     """The row layout's int8 x (AVX2): "int8" is x rounded per block of 32 times the weight,
     exactly, up to 4 rows (block counts with and without a partial group of eight blocks;
     groups of one block, of several, and one group a row); "int8_residual" (two int8 parts a
-    row, up to 2 rows) within the second rounding's bound of the fp32 product; more rows run
-    on fp32 x."""
+    row for int4 codes, x on int16 for int8 codes; up to 2 rows) within the second rounding's
+    bound of the fp32 product; more rows run on fp32 x."""
     torch.manual_seed(bits * k + n)
     size = {"32": 32, "wider": weight_only.group_size_for(k, 96), "row": k}[group]
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
@@ -171,13 +171,17 @@ def _widened(packed: weight_only.PackedWeight) -> weight_only.PackedWeight:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("k", "n", "group"), [(160, 33, 32), (576, 100, 32), (576, 40, 96),
-                                               (1536, 17, 32)])  # fmt: skip
+                                               (1536, 17, 32), (384, 9, 32),
+                                               (448, 21, 32)])  # fmt: skip
 def test_fp16_constants_give_their_fp32_widenings_result_on_every_path(bits, k, n, group):
     """A GGUF file's fp16 constants stay fp16 by rows: every path (each instruction set at 1-16
     rows, int8 x and its residual form, the slices or slabs beyond) gives what the same weight
     with its constants widened to fp32 gives, bit for bit. Block counts with a partial last
     eight (160: 5 blocks, 576: 18), a wider group (96: constants gathered one at a time), and
-    an odd row count, so the weight's last row takes the one-at-a-time load as well."""
+    an odd row count, so the weight's last row takes the one-at-a-time load as well. On int8
+    x, int4 codes with fp16 constants, a group a block and an even block count take the Q4
+    kernel (rows_q4_avx2) and fp32 constants the general one: every count of blocks past the
+    whole eights it has (0: 1536, 2: 576, 4: 384, 6: 448)."""
     torch.manual_seed(bits + k + n + group)
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
     quantized = weight_only.quantize(w, bits, group)

@@ -310,7 +310,8 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 // constants gathered per block). The int4 offsets meet the rounded x's block sums, so their
 // rounding errors cancel as in x w. "int8_residual" runs each row as two int8 parts, x rounded
 // and what the rounding left (fp32 x's accuracy, as the AVX-512 panels' residual form), both
-// against one load of the codes, into one sum.
+// against one load of the codes, into one sum; int8 codes take x on int16 instead (the same
+// accuracy at half the multiplies, int16_x_linear below).
 //
 // For int4 codes x is stored by pairs of blocks, so that one 32-byte load of codes serves two
 // blocks: its low nibbles are features 0-15 of both, its high nibbles features 16-31, and x's
@@ -331,22 +332,28 @@ struct RoundedX {
   int64_t parts, padded;
 };
 
+// A block of 32 features of x into v, and its largest |x|.
+__attribute__((target("avx2,fma"), always_inline)) inline float block_max_avx2(const float* x,
+                                                                              __m256 (&v)[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // One row x [k] -> codes, scales and scaled code sums; rest (when not null) takes what the
 // rounding left, the next part's x. pairs: int4's order of codes and constants (above).
 __attribute__((target("avx2,fma"))) void round_row_avx2(const float* x, int64_t k, bool pairs,
                                                         int8_t* q, float* sx, float* sum,
                                                         float* rest) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float top = _mm_cvtss_f32(m), scale = top / 127.0f;
+    __m256 v[4];
+    const float top = block_max_avx2(x + b * kBlock, v), scale = top / 127.0f;
     const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
     alignas(32) int32_t codes[kBlock];
     __m256i total = _mm256_setzero_si256();
@@ -374,11 +381,18 @@ __attribute__((target("avx2,fma"))) void round_row_avx2(const float* x, int64_t 
 }
 
 // Four pairs of blocks (int4) or eight blocks (int8) of one weight row against P parts of x:
-// each part's eight block totals (int4 in pair order) in t[p].
+// each part's eight block totals (int4 in pair order) in t[p]. Inlined where count is 8, so a
+// whole group runs without a branch.
+//
+// int4: a pair's two maddubs make 16 int16 sums, each <= 2 * 2 * 15 * 127 = 7620. Two levels
+// of hadd_epi16 over the four pairs keep them in int16 (<= 30480) and leave each block's sum in
+// two lanes, which one madd with ones widens to int32: one madd a group where a madd a pair and
+// three hadd_epi32 took a quarter more time (vpmaddubsw and vpmaddwd share one port on Zen 3,
+// about one a cycle). int8 codes lend x their sign, so a lane reaches 2 * 127 * 127: they
+// widen each block at once.
 template <bool kInt4, int P>
-__attribute__((target("avx2,fma"))) inline void totals8_avx2(const uint8_t* w, const int8_t* x,
-                                                             int64_t stride, int count,
-                                                             __m256i (&t)[P]) {
+__attribute__((target("avx2,fma"), always_inline)) inline void totals8_avx2(
+    const uint8_t* w, const int8_t* x, int64_t stride, int count, __m256i (&t)[P]) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (kInt4) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -397,15 +411,15 @@ __attribute__((target("avx2,fma"))) inline void totals8_avx2(const uint8_t* w, c
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
       for (int p = 0; p < P; ++p) {
         const int8_t* xp = x + p * stride + 64 * j;
-        const __m256i sums = _mm256_add_epi16(  // <= 2 * 2 * 15 * 127 per lane: no overflow
+        v[p][j] = _mm256_add_epi16(
             _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
             _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
-        v[p][j] = _mm256_madd_epi16(sums, ones);
       }
     }
     for (int p = 0; p < P; ++p)
-      t[p] = _mm256_hadd_epi32(_mm256_hadd_epi32(v[p][0], v[p][1]),
-                               _mm256_hadd_epi32(v[p][2], v[p][3]));
+      t[p] = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(v[p][0], v[p][1]),
+                                                 _mm256_hadd_epi16(v[p][2], v[p][3])),
+                               ones);
   } else {
     __m256i v[P][8];
     for (int j = 0; j < 8; ++j) {
@@ -517,10 +531,91 @@ __attribute__((target("avx2,fma,f16c"))) void rows_int8_avx2(const Operands& o, 
   }
 }
 
+// The int4 codes of a GGUF Q4_0 / Q4_1 file (fp16 constants, a group a block, an even block
+// count) against one int8 part of x: rows_int8_avx2's sums with the branches and lookups of its
+// general case taken out. Whole groups load their eight constants at once; the last group's
+// kRestPairs pairs of blocks (SmolLM2's 576 features: 2 of 18 blocks) are a constant count.
+// On SmolLM2 Q4_1's products at one row of x, a 2-core Zen 3: 1.1-1.3x the general kernel.
+template <int R, int kRestPairs>
+__attribute__((target("avx2,fma,f16c"))) void rows_q4_avx2(const Operands& o, const RoundedX& x,
+                                                          int64_t n0, int64_t n1, float* y) {
+  const int64_t blocks = o.k / kBlock, row_bytes = o.k / 2, whole = blocks - 2 * kRestPairs;
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i rest_lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * kRestPairs),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const uint16_t* scale = o.scale.f16();
+  const uint16_t* offset = o.offset.f16();
+  auto constants = [&](const uint16_t* c, int64_t at) __attribute__((target("avx2,f16c"))) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + at));
+    return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(bits), order);
+  };
+  for (int64_t r = 0; r < o.m; ++r) {
+    const int8_t* xq = x.q + r * x.padded * kBlock;
+    const float* sx = x.sx + r * x.padded;
+    const float* xs = x.sum + r * x.padded;
+    for (int64_t n = n0; n + R <= n1; n += R) {
+      const int64_t ahead = std::min(n + kAhead * R, n1 - 1);
+      for (int64_t i = 0; i < R * row_bytes; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead * row_bytes + i), _MM_HINT_T0);
+      for (int64_t i = 0; i < R * blocks * 2; i += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(scale + ahead * blocks) + i, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(offset + ahead * blocks) + i, _MM_HINT_T0);
+      }
+      __m256 acc[R];
+      for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < whole; b += 8) {
+        const __m256 sxb = _mm256_loadu_ps(sx + b), xsb = _mm256_loadu_ps(xs + b);
+        for (int t = 0; t < R; ++t) {
+          __m256i totals[1];
+          totals8_avx2<true, 1>(o.q + (n + t) * row_bytes + b * 16, xq + b * kBlock, 0, 8, totals);
+          const int64_t at = (n + t) * blocks + b;
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[0]),
+                                   _mm256_mul_ps(constants(scale, at), sxb), acc[t]);
+          acc[t] = _mm256_fmadd_ps(constants(offset, at), xsb, acc[t]);
+        }
+      }
+      if constexpr (kRestPairs > 0) {
+        const __m256 sxb = _mm256_loadu_ps(sx + whole), xsb = _mm256_loadu_ps(xs + whole);
+        for (int t = 0; t < R; ++t) {
+          const int count = 2 * kRestPairs;
+          __m256i totals[1];
+          totals8_avx2<true, 1>(o.q + (n + t) * row_bytes + whole * 16, xq + whole * kBlock, 0,
+                                count, totals);
+          const int64_t row = (n + t) * blocks;
+          const __m256 ws = constants8<true>(o, o.scale, row, whole, count, rest_lanes, order);
+          const __m256 wo = constants8<true>(o, o.offset, row, whole, count, rest_lanes, order);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[0]), _mm256_mul_ps(ws, sxb), acc[t]);
+          acc[t] = _mm256_fmadd_ps(wo, xsb, acc[t]);
+        }
+      }
+      // summed as rows_int8_avx2 sums: fp32 constants give the same result, bit for bit
+      for (int t = 0; t < R; ++t) y[r * o.n + n + t] = hsum_avx2(acc[t]);
+    }
+  }
+}
+
+// rows_q4_avx2 for the weight's count of blocks past its whole groups of eight (even)
+template <int R>
+void rows_q4(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, float* y) {
+  switch (o.k / kBlock % 8) {
+    case 0: return rows_q4_avx2<R, 0>(o, x, n0, n1, y);
+    case 2: return rows_q4_avx2<R, 1>(o, x, n0, n1, y);
+    case 4: return rows_q4_avx2<R, 2>(o, x, n0, n1, y);
+    default: return rows_q4_avx2<R, 3>(o, x, n0, n1, y);
+  }
+}
+
 template <bool kInt4, bool kHalf, int P>
 void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, float* y) {
   constexpr int R = P == 1 ? 2 : 1;  // two weight rows a pass where the registers allow
   const int64_t whole = n0 + (n1 - n0) / R * R;
+  if constexpr (kInt4 && kHalf && P == 1) {
+    if (o.group == kBlock && o.k / kBlock % 2 == 0) {
+      rows_q4<2>(o, x, n0, whole, y);
+      if (whole < n1) rows_q4<1>(o, x, whole, n1, y);
+      return;
+    }
+  }
   rows_int8_avx2<kInt4, kHalf, R, P>(o, x, n0, whole, y);
   if (whole < n1) rows_int8_avx2<kInt4, kHalf, 1, P>(o, x, whole, n1, y);
 }
@@ -531,8 +626,107 @@ void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, flo
   rows_int8<kInt4, kHalf, 1>(o, x, n0, n1, y);
 }
 
+// ---- int8 codes against x on int16: the residual form's accuracy at half its multiplies ----
+// "int8_residual" on int8 codes (an LM head: a GGUF file's Q8_0 token embedding): each row of x
+// rounded to int16 per block of 32 (scale max|x| / 32767, off by at most 1.5e-5 times the
+// block's largest |x|, as two int8 parts are), and codes widened to int16 meet it through one
+// madd a 16 features. Two int8 parts take a maddubs and a madd each a 32 features, and those
+// share one port on Zen 3: this is half as many, and SmolLM2's LM head at one row of x (its
+// GGUF file's Q8_0 embedding) took 1.6x less time on 1 and on 2 threads of a 2-core Zen 3.
+__attribute__((target("avx2,fma"))) void round_row_int16_avx2(const float* x, int64_t k,
+                                                              int16_t* q, float* sx) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 v[4];
+    const float top = block_max_avx2(x + b * kBlock, v);
+    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    for (int h = 0; h < 2; ++h) {  // packs works within 128-bit lanes: features back in order
+      const __m256i packed = _mm256_packs_epi32(c[2 * h], c[2 * h + 1]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock + 16 * h),
+                          _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+    sx[b] = top / 32767.0f;
+  }
+}
+
+// y[r, n] for int8 weight rows [n0, n1) against every row of x on int16 (codes xq [rows,
+// padded * 32], block scales sx [rows, padded]); kHalf: fp16 constants.
+template <bool kHalf>
+__attribute__((target("avx2,fma,f16c"))) void rows_int16x_avx2(const Operands& o, const int16_t* xq,
+                                                               const float* sx, int64_t padded,
+                                                               int64_t n0, int64_t n1, float* y) {
+  const int64_t blocks = o.k / kBlock;
+  const __m256i order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < o.m; ++r) {
+    const int16_t* x = xq + r * padded * kBlock;
+    const float* s = sx + r * padded;
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t ahead = std::min(n + 2 * kAhead, n1 - 1);
+      for (int64_t i = 0; i < o.k; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead * o.k + i), _MM_HINT_T0);
+      for (int64_t i = 0; i < o.groups * o.scale.bytes(); i += 64)
+        _mm_prefetch(o.scale.address(ahead * o.groups) + i, _MM_HINT_T0);
+      const uint8_t* w = o.q + n * o.k;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; b += 8) {
+        const int count = int(std::min<int64_t>(8, blocks - b));
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), order);
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j) {  // <= 4 * 127 * 32767 a lane: no overflow
+          if (j >= count) {
+            v[j] = _mm256_setzero_si256();
+            continue;
+          }
+          const uint8_t* wj = w + (b + j) * kBlock;
+          const int16_t* xj = x + (b + j) * kBlock;
+          v[j] = _mm256_add_epi32(
+              _mm256_madd_epi16(
+                  _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj))),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj))),
+              _mm256_madd_epi16(
+                  _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 16))),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + 16))));
+        }
+        const __m256i a =
+            _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        const __m256i c =
+            _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+        const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
+                                                _mm256_permute2x128_si256(a, c, 0x31));
+        const __m256 ws = constants8<kHalf>(o, o.scale, n * o.groups, b, count, lanes, order);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals),
+                              _mm256_mul_ps(ws, _mm256_loadu_ps(s + b)), acc);
+      }
+      y[r * o.n + n] = hsum_avx2(acc);
+    }
+  }
+}
+
+// x [M, K] fp32, a few rows -> y [M, N] fp32 with int8 codes, x on int16.
+at::Tensor int16_x_linear(const at::Tensor& xf, const Operands& o) {
+  const int64_t m = xf.size(0), k = o.k, padded = (k / kBlock + 7) / 8 * 8;
+  thread_local std::vector<int16_t> q;
+  thread_local std::vector<float> sx;
+  q.assign(m * padded * kBlock, 0), sx.assign(m * padded, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    round_row_int16_avx2(xf.data_ptr<float>() + r * k, k, q.data() + r * padded * kBlock,
+                         sx.data() + r * padded);
+  const int16_t* codes = q.data();  // the threads below see their own thread_locals
+  const float* scales = sx.data();
+  at::Tensor y = at::empty({m, o.n}, xf.options());
+  float* out = y.data_ptr<float>();
+  const int64_t chunk = std::max<int64_t>(4, (16 << 10) / k);  // ~16 KiB of codes
+  pagedllm_cpu::balanced_for(o.n, chunk, [&](int64_t n0, int64_t n1) {
+    if (o.scale.half) return rows_int16x_avx2<true>(o, codes, scales, padded, n0, n1, out);
+    rows_int16x_avx2<false>(o, codes, scales, padded, n0, n1, out);
+  });
+  return y;
+}
+
 // x [M, K] fp32, a few rows -> y [M, N] fp32 on int8 x (parts 1 or 2 a row).
 at::Tensor int8_x_linear(const at::Tensor& xf, const Operands& o, int parts) {
+  if (parts == 2 && !o.int4) return int16_x_linear(xf, o);
   const int64_t m = xf.size(0), k = o.k, blocks = k / kBlock;
   const int64_t padded = (blocks + 7) / 8 * 8, kernel_rows = m * parts;
   thread_local std::vector<int8_t> q;
