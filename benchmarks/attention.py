@@ -257,11 +257,15 @@ def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Timing]:
 
 
 def measure(
-    case: Case, reps: int, layers: int = 1, against: tuple[str, Callable] | None = None
+    case: Case,
+    reps: int,
+    layers: int = 1,
+    against: tuple[str, Callable] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Timing]:
     """Best of reps for each implementation (naive: its one reference run); with layers, a
     timing covers `layers` calls (one per cache)."""
-    x = Inputs(case, torch.bfloat16, layers if against else 1)
+    x = Inputs(case, dtype, layers if against else 1)
     impls = implementations(case, x, against)
     calls = len(x.caches)
     with torch.inference_mode():
@@ -278,13 +282,13 @@ def measure(
     return best
 
 
-def describe(case: Case) -> str:
+def describe(case: Case, dtype: torch.dtype = torch.bfloat16) -> str:
     kind = "decode" if max(case.query_lens) == 1 else "prefill"
     lens = sorted(set(case.key_lens))
     ctx = f"{lens[0]}" if len(lens) == 1 else f"{lens[0]}-{lens[-1]}"
     return (
         f"{kind}: {len(case.key_lens)} seqs, {ctx} keys, {case.heads}/{case.kv_heads} heads, "
-        f"d={case.head_dim}, bf16, causal"
+        f"d={case.head_dim}, {str(dtype).removeprefix('torch.')}, causal"
     )
 
 
@@ -327,7 +331,14 @@ def main() -> None:
         default=1,
         help="with --against: caches taken in turn, one a call (30: a decode step of SmolLM2)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="q and the K/V cache's dtype",
+    )
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load():
         raise SystemExit("the C++ kernel did not build; nothing to compare")
@@ -335,10 +346,11 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     for name in args.cases.split(","):
         case = CASES[name]
-        results[name] = measure(case, args.reps, args.layers, against)
-        tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads)
+        results[name] = measure(case, args.reps, args.layers, against, dtype)
+        tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads, dtype)
         print(
-            f"{name}: {describe(case)}; tiles block_m={tiles.block_m} block_n={tiles.block_n}",
+            f"{name}: {describe(case, dtype)}; tiles block_m={tiles.block_m} "
+            f"block_n={tiles.block_n}",
             flush=True,
         )
         print(table({name: results[name]}), flush=True)
