@@ -322,8 +322,8 @@ class EngineArgs:
     kv_cache_dtype: str = _arg(
         "auto",
         "auto (the model's dtype) | bfloat16 | float16 | float32: the dtype the KV cache "
-        "stores keys and values in; attention then runs in it (bfloat16 halves an fp32 "
-        "model's cache)",
+        "stores keys and values in; attention then runs in it (bfloat16 or float16 halves an "
+        "fp32 model's cache; float16 is llama.cpp's default)",
     )
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _arg(

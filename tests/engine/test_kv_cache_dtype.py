@@ -47,23 +47,29 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_of_an_fp32_one(tiny_llama):
     assert half.llm_engine.kv_cache.num_blocks == 2 * auto.llm_engine.kv_cache.num_blocks
 
 
-def test_the_fused_decoder_equals_the_modules_on_a_bfloat16_cache(tiny_llama):
-    fused, llm = run(tiny_llama, kv_cache_dtype="bfloat16")
-    assert llm.llm_engine.executor.local_runner.fast_path is not None  # the C++ decoder ran
-    modules, eager = run(tiny_llama, kv_cache_dtype="bfloat16", enforce_eager=True)
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+def test_the_fused_decoder_equals_the_modules_on_a_half_width_cache(tiny_llama, cache_dtype):
+    """bf16, and fp16 (llama.cpp's default cache; q, K and V converted to it and the output
+    back by F16C where the build has it, as torch rounds: to nearest even)."""
+    fused, llm = run(tiny_llama, kv_cache_dtype=cache_dtype)
+    runner = llm.llm_engine.executor.local_runner
+    assert {t.dtype for pair in runner.kv_caches for t in pair} == {getattr(torch, cache_dtype)}
+    assert runner.fast_path is not None  # the C++ decoder ran
+    modules, eager = run(tiny_llama, kv_cache_dtype=cache_dtype, enforce_eager=True)
     assert eager.llm_engine.executor.local_runner.fast_path is None
     assert [ids for ids, _ in fused] == [ids for ids, _ in modules]
     assert chosen_logprobs(fused) == chosen_logprobs(modules)  # bit for bit
 
 
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("backend", [None, "torch"])  # None: the CPU default, the C++ kernel
-def test_a_bfloat16_cache_keeps_the_fp32_cache_greedy_tokens_by_the_top5_criterion(
-    tiny_llama, backend
+def test_a_half_width_cache_keeps_the_fp32_cache_greedy_tokens_by_the_top5_criterion(
+    tiny_llama, backend, cache_dtype
 ):
     """vLLM's criterion: the same tokens, or at the first difference each engine's token in
     the other's top 5; the chosen tokens' logprobs stay within bf16's rounding of K and V."""
     exact, _ = run(tiny_llama, attention_backend=backend)
-    half, _ = run(tiny_llama, attention_backend=backend, kv_cache_dtype="bfloat16")
+    half, _ = run(tiny_llama, attention_backend=backend, kv_cache_dtype=cache_dtype)
     for (ids_a, lps_a), (ids_b, lps_b) in zip(exact, half):
         first = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), None)
         if first is not None:

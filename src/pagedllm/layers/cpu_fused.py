@@ -19,6 +19,7 @@ from pagedllm.cpp_build import arch_flags, load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (*DTYPES, torch.float16)  # a KV cache's: q, K, V and the output converted
 
 
 @functools.cache

@@ -60,7 +60,7 @@ def _attention(attn: Attention) -> tuple[list[torch.Tensor], list[int]]:
         raise _Unfusable("attention without a KV cache")
     # attention runs in the cache's dtype (kv_cache_dtype), q converted to it as Attention does
     cache_dtype = attn.key_cache.dtype
-    if cache_dtype not in cpu_fused.DTYPES:
+    if cache_dtype not in cpu_fused.CACHE_DTYPES:
         raise _Unfusable(f"a KV cache in {cache_dtype}")
     tiles = attn.backend.cpu_kernel_tiles(cache_dtype, attn.num_heads, attn.key_cache)
     if tiles is None:

@@ -89,7 +89,10 @@ ALWAYS_INLINE void load16(const c10::BFloat16* p, v8f& a, v8f& b) {
 }
 
 ALWAYS_INLINE void load16(const c10::Half* p, v8f& a, v8f& b) {
-#if HAVE_FLOAT16_VECTORS
+#if defined(__F16C__)  // GCC 12 converts a _Float16 vector one element at a time (8 vcvtph2ps)
+  a = (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+#elif HAVE_FLOAT16_VECTORS
   v8f16 h0, h1;
   std::memcpy(&h0, p, sizeof(h0));
   std::memcpy(&h1, p + 8, sizeof(h1));

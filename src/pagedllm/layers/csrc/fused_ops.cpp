@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -25,6 +26,9 @@
 #define BF16_VECTORS 1
 #else
 #define BF16_VECTORS 0
+#endif
+#if defined(__F16C__)  // an fp16 KV cache's conversions (convert8)
+#include <immintrin.h>
 #endif
 // AVX2 forms of some fp32 loops where the build targets it (8 lanes).
 #if defined(__AVX2__)
@@ -689,18 +693,53 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return rms_norm(rows, weight, eps, offset).view({x.size(0), x.size(1), x.size(2)});
 }
 
+// Calls fn with a value of a KV cache's element type: with_float_type's, or Half (an fp16
+// cache, llama.cpp's default; attention's kernel converts it with F16C).
+template <typename F>
+void with_cache_type(at::ScalarType dtype, const char* op, F&& fn) {
+  if (dtype == at::kHalf) return fn(c10::Half{});
+  with_float_type(dtype, op, std::forward<F>(fn));
+}
+
+// Eight values from fp16 to fp32 and back, as vectors where the build has F16C (c10::Half's
+// conversion is a scalar's bit manipulation).
+inline bool convert8(const c10::Half* in, float* out) {
+#if defined(__F16C__)
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))));
+  return true;
+#else
+  return false;
+#endif
+}
+
+inline bool convert8(const float* in, c10::Half* out) {
+#if defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm256_cvtps_ph(_mm256_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT));
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename S, typename D>
+inline bool convert8(const S*, D*) {
+  return false;
+}
+
 // src [T, H, D] (head rows of unit stride, as heads_of makes them) into dst, a contiguous
-// [T, H, D] of the other float type, each value rounded as Tensor.to rounds it (to nearest
-// even): where kv_cache_dtype differs from the model's, a decode step converts q, k, v and the
-// attention's output of every layer, and four dispatched .to() calls a layer, each with its
-// allocation, cost about what the smaller cache saved at short contexts.
+// [T, H, D] of the other float type (or fp16, a cache's), each value rounded as Tensor.to
+// rounds it (to nearest even): where kv_cache_dtype differs from the model's, a decode step
+// converts q, k, v and the attention's output of every layer, and four dispatched .to() calls
+// a layer, each with its allocation, cost about what the smaller cache saved at short
+// contexts.
 void convert_rows(const at::Tensor& src, at::Tensor& dst) {
   const int64_t tokens = src.size(0), heads = src.size(1), dim = src.size(2);
   TORCH_CHECK(src.stride(2) == 1 && dst.is_contiguous() && dst.sizes() == src.sizes(),
               "convert_rows: [T, H, D] rows into a contiguous tensor of their shape");
-  with_float_type(src.scalar_type(), "convert_rows", [&](auto s) {
+  with_cache_type(src.scalar_type(), "convert_rows", [&](auto s) {
     using S = decltype(s);
-    with_float_type(dst.scalar_type(), "convert_rows", [&](auto d) {
+    with_cache_type(dst.scalar_type(), "convert_rows", [&](auto d) {
       using D = decltype(d);
       const S* in = src.data_ptr<S>();
       D* out = dst.data_ptr<D>();
@@ -709,7 +748,9 @@ void convert_rows(const at::Tensor& src, at::Tensor& dst) {
           for (int64_t h = 0; h < heads; ++h) {
             const S* row = in + t * src.stride(0) + h * src.stride(1);
             D* to = out + (t * heads + h) * dim;
-            for (int64_t i = 0; i < dim; ++i) to[i] = static_cast<D>(static_cast<float>(row[i]));
+            int64_t i = 0;
+            while (i + 8 <= dim && convert8(row + i, to + i)) i += 8;
+            for (; i < dim; ++i) to[i] = static_cast<D>(static_cast<float>(row[i]));
           }
       });
     });
