@@ -387,7 +387,7 @@ __attribute__((target("avx2,fma"))) void round_row_avx2(const float* x, int64_t 
 // int4: a pair's two maddubs make 16 int16 sums, each <= 2 * 2 * 15 * 127 = 7620. Two levels
 // of hadd_epi16 over the four pairs keep them in int16 (<= 30480) and leave each block's sum in
 // two lanes, which one madd with ones widens to int32: one madd a group where a madd a pair and
-// three hadd_epi32 took a quarter more time (vpmaddubsw and vpmaddwd share one port on Zen 3,
+// three hadd_epi32 took a fifth more time (vpmaddubsw and vpmaddwd share one port on Zen 3,
 // about one a cycle). int8 codes lend x their sign, so a lane reaches 2 * 127 * 127: they
 // widen each block at once.
 template <bool kInt4, int P>
@@ -535,7 +535,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_int8_avx2(const Operands& o, 
 // count) against one int8 part of x: rows_int8_avx2's sums with the branches and lookups of its
 // general case taken out. Whole groups load their eight constants at once; the last group's
 // kRestPairs pairs of blocks (SmolLM2's 576 features: 2 of 18 blocks) are a constant count.
-// On SmolLM2 Q4_1's products at one row of x, a 2-core Zen 3: 1.1-1.3x the general kernel.
+// On SmolLM2 Q4_1's products at one row of x, a 2-core Zen 3: 1.08-1.20x the general kernel
+// before it (benchmarks/weight_only_rows.py).
 template <int R, int kRestPairs>
 __attribute__((target("avx2,fma,f16c"))) void rows_q4_avx2(const Operands& o, const RoundedX& x,
                                                           int64_t n0, int64_t n1, float* y) {
@@ -627,12 +628,13 @@ void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, flo
 }
 
 // ---- int8 codes against x on int16: the residual form's accuracy at half its multiplies ----
-// "int8_residual" on int8 codes (an LM head: a GGUF file's Q8_0 token embedding): each row of x
-// rounded to int16 per block of 32 (scale max|x| / 32767, off by at most 1.5e-5 times the
-// block's largest |x|, as two int8 parts are), and codes widened to int16 meet it through one
-// madd a 16 features. Two int8 parts take a maddubs and a madd each a 32 features, and those
-// share one port on Zen 3: this is half as many, and SmolLM2's LM head at one row of x (its
-// GGUF file's Q8_0 embedding) took 1.6x less time on 1 and on 2 threads of a 2-core Zen 3.
+// "int8_residual" on int8 codes (a GGUF file's Q8_0 embedding as its LM head, the int8
+// format's down_proj and LM head): each row of x rounded to int16 per block of 32 (scale
+// max|x| / 32767, off by at most 1.5e-5 times the block's largest |x|, as two int8 parts are),
+// and codes widened to int16 meet it through one madd a 16 features. Two int8 parts take a
+// maddubs and a madd each a 32 features, and those share one port on Zen 3: this is half as
+// many, and SmolLM2's LM head at one row of x (its GGUF file's Q8_0 embedding) took 1.6x less
+// time on 1 and on 2 threads of a 2-core Zen 3.
 __attribute__((target("avx2,fma"))) void round_row_int16_avx2(const float* x, int64_t k,
                                                               int16_t* q, float* sx) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -673,7 +675,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_int16x_avx2(const Operands& o
         const int count = int(std::min<int64_t>(8, blocks - b));
         const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), order);
         __m256i v[8];
-        for (int j = 0; j < 8; ++j) {  // <= 4 * 127 * 32767 a lane: no overflow
+        for (int j = 0; j < 8; ++j) {  // a block's 32 products <= 32 * 128 * 32767: int32
           if (j >= count) {
             v[j] = _mm256_setzero_si256();
             continue;
