@@ -31,7 +31,6 @@ import argparse
 import itertools
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_flags, load_average, machine  # noqa: E402
+from common import cpu_flags, load_average, machine, ops_of_tree  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -177,17 +176,12 @@ def sdpa_per_sequence(case: Case, x: Inputs, scale: float) -> torch.Tensor:
 
 def load_against(tree: Path) -> Callable:
     """The varlen_attention op of another tree's kernel source, built under its own namespace."""
-    from pagedllm.cpp_build import arch_flags, load_cpp_ops
+    from pagedllm.cpp_build import arch_flags
 
-    source = (tree / "src/pagedllm/attention/csrc/attention.cpp").read_text()
-    library = "TORCH_LIBRARY(pagedllm_attention,"
-    renamed = source.replace(library, "TORCH_LIBRARY(attention_against,")
-    if renamed == source:
-        raise SystemExit(f"{tree}: no TORCH_LIBRARY(pagedllm_attention, ...) in attention.cpp")
-    copy = Path(tempfile.mkdtemp()) / "attention_against.cpp"
-    copy.write_text(renamed)
-    load_cpp_ops(copy, ["-O3", "-fopenmp", *arch_flags()], "attention_against", f"{tree}'s kernel")
-    return torch.ops.attention_against.varlen_attention
+    source = "src/pagedllm/attention/csrc/attention.cpp"
+    flags = ["-O3", "-fopenmp", *arch_flags()]
+    ops = ops_of_tree(tree, source, "pagedllm_attention", "attention_against", flags)
+    return ops.varlen_attention
 
 
 def raw_kernel(op: Callable, case: Case, x: Inputs) -> Callable[[], torch.Tensor]:

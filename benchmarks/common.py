@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import tempfile
 from pathlib import Path
 
 BENCH_125M = dict(
@@ -100,6 +102,28 @@ def cpu_flags() -> str:
     """Those of _KERNEL_FLAGS this CPU reports, detected at run time."""
     flags = _cpuinfo_field("flags").split()
     return " ".join(f for f in flags if f in _KERNEL_FLAGS)
+
+
+def ops_of_tree(tree: Path, source: str, library: str, namespace: str, cflags: list[str],
+                headers: tuple[str, ...] = ()):  # noqa: ANN201  # fmt: skip
+    """torch.ops.<namespace>: another tree's C++ op library (`source` under it, registered as
+    TORCH_LIBRARY(<library>, ...)) built under that namespace, so that its ops and this tree's
+    run side by side in one process. headers: files beside the source that it includes."""
+    import torch
+
+    from pagedllm.cpp_build import load_cpp_ops
+
+    text = (tree / source).read_text()
+    registration = f"TORCH_LIBRARY({library},"
+    if registration not in text:
+        raise SystemExit(f"{tree}: no {registration} ...) in {source}")
+    folder = Path(tempfile.mkdtemp())
+    for header in headers:
+        shutil.copy(tree / Path(source).parent / header, folder)
+    copy = folder / f"{namespace}.cpp"
+    copy.write_text(text.replace(registration, f"TORCH_LIBRARY({namespace},"))
+    load_cpp_ops(copy, cflags, namespace, f"{tree}'s {Path(source).name}")
+    return getattr(torch.ops, namespace)
 
 
 def load_average() -> str:

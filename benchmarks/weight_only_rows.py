@@ -16,34 +16,23 @@ two kernels' outputs of the kind's last product.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_flags, load_average, machine  # noqa: E402
-
-CSRC = Path("src/pagedllm/layers/csrc")
+from common import cpu_flags, load_average, machine, ops_of_tree  # noqa: E402
 
 
 def load_against(tree: Path):  # noqa: ANN201
-    """The weight_only_linear op of another tree's kernel, built under its own namespace."""
-    from pagedllm.cpp_build import load_cpp_ops
-
-    source = (tree / CSRC / "weight_only_gemm.cpp").read_text()
-    library = "TORCH_LIBRARY(pagedllm_wo,"
-    if library not in source:
-        raise SystemExit(f"{tree}: no {library} ...) in weight_only_gemm.cpp")
-    folder = Path(tempfile.mkdtemp())
-    shutil.copy(tree / CSRC / "balanced_for.h", folder)
-    copy = folder / "wo_against.cpp"
-    copy.write_text(source.replace(library, "TORCH_LIBRARY(wo_against,"))
-    load_cpp_ops(copy, ["-O3", "-fopenmp"], "wo_against", f"{tree}'s weight-only kernel")
-    return torch.ops.wo_against.weight_only_linear
+    """The weight_only_linear op of another tree's kernel, built under its own namespace (the
+    flags weight_only.load builds with)."""
+    source = "src/pagedllm/layers/csrc/weight_only_gemm.cpp"
+    ops = ops_of_tree(tree, source, "pagedllm_wo", "wo_against", ["-O3", "-fopenmp"],
+                      headers=("balanced_for.h",))  # fmt: skip
+    return ops.weight_only_linear
 
 
 def products(model: str) -> dict[str, list]:

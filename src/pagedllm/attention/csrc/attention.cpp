@@ -678,13 +678,19 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
 std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
 std::atomic<int64_t> amx_key_tiles{0};  // key tiles multiplied on AMX (amx_tiles())
 
+// The query rows of query tile `tile` of sequence `seq`: its queries times the heads sharing a
+// kv head.
+inline int tile_rows(const Problem& p, int seq, int tile) {
+  const int len_q = p.cu_q[seq + 1] - p.cu_q[seq], t0 = tile * p.block_m;
+  return (std::min(len_q, t0 + p.block_m) - t0) * (p.heads / p.kv_heads);
+}
+
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
 // and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
 template <typename T, int (*Pos)(int)>
 void merge_chunks(const Problem& p, const SplitGroup& g, Scratch& w) {
-  const int G = p.heads / p.kv_heads, D = p.dim, H = p.kv_per_item;
-  const int q_start = p.cu_q[g.seq], len_q = p.cu_q[g.seq + 1] - q_start;
-  const int t0 = g.tile * p.block_m, rows = (std::min(len_q, t0 + p.block_m) - t0) * G;
+  const int D = p.dim, H = p.kv_per_item, q_start = p.cu_q[g.seq];
+  const int t0 = g.tile * p.block_m, rows = tile_rows(p, g.seq, g.tile);
   const int64_t n = (int64_t)H * rows;
   w.o.assign(n * D, 0.0f);
   w.m.assign(n, kNegInf);
@@ -1328,9 +1334,7 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
     if (p.bf16_dot) return attend_bf16_dot(p, item, after, w);
   }
   if constexpr (sizeof(T) == 4) {
-    const int b = item.seq, len_q = p.cu_q[b + 1] - p.cu_q[b], t0 = item.tile * p.block_m;
-    const int rows = (std::min(len_q, t0 + p.block_m) - t0) * (p.heads / p.kv_heads);
-    if (!many_rows(rows) && p.block_n >= 32) {
+    if (!many_rows(tile_rows(p, item.seq, item.tile)) && p.block_n >= 32) {
       Problem half = p;
       half.block_n = p.block_n / 2;
       return attend_tiles<T>(half, item, after, w);
@@ -1344,8 +1348,8 @@ template <typename T>
 void attend_tiles(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
   const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
-  const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
-  const int rows = (t1 - t0) * G, n_pad = (p.block_n + 7) / 8 * 8;
+  const int t0 = item.tile * p.block_m, rows = tile_rows(p, item.seq, item.tile);
+  const int n_pad = (p.block_n + 7) / 8 * 8;
   // Many rows: the keys transposed into fp32 once a tile, the values widened to fp32 rows.
   const bool many = many_rows(rows), widen = many && !std::is_same<T, float>::value;
   w.q.resize((size_t)H * rows * D);

@@ -546,6 +546,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_q4_avx2(const Operands& o, co
                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const uint16_t* scale = o.scale.f16();
   const uint16_t* offset = o.offset.f16();
+  // a whole group's eight constants in one load: constants8's runtime checks and mask made
+  // these products 0.85-0.95x as fast (measured in one process, taking turns)
   auto constants = [&](const uint16_t* c, int64_t at) __attribute__((target("avx2,f16c"))) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + at));
     return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(bits), order);
