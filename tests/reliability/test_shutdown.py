@@ -56,6 +56,13 @@ def start_server(model: Path, step_delay: float) -> tuple[subprocess.Popen, str]
     return proc, url
 
 
+def requests_in_engine(url: str) -> float:
+    """Running plus waiting requests, as the server's /metrics reports them."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    found = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
 def healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=5).status_code == 200
@@ -109,6 +116,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama, cleanup) -> N
         w.start()
     for _ in range(3):
         assert started.acquire(timeout=60)
+    # the two plain requests in the engine too (on a busy machine their connections can come
+    # after the streams' first events): an ordering, however long it takes
+    deadline = time.monotonic() + 60
+    while requests_in_engine(url) < 5:
+        assert time.monotonic() < deadline, "the plain requests never reached the engine"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     # New connections are refused while the others drain: an ordering of two events (the
     # refusal came while a request was still running), however long each takes.
