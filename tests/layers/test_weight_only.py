@@ -59,7 +59,7 @@ def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, 
     exactly, up to 4 rows (block counts with and without a partial group of eight blocks;
     groups of one block, of several, and one group a row); "int8_residual" (two int8 parts a
     row for int4 codes, x on int16 for int8 codes; up to 2 rows) within the second rounding's
-    bound of the fp32 product; more rows run on fp32 x."""
+    bound of the fp32 product. More rows: the next test."""
     torch.manual_seed(bits * k + n)
     size = {"32": 32, "wider": weight_only.group_size_for(k, 96), "row": k}[group]
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
@@ -80,10 +80,36 @@ def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, 
             assert torch.all((residual - exact).abs() <= bound + 1e-5 * scale + 1e-6)
             rounding = (rounded.double() - exact).abs().max()
             assert rounding > 30 * (residual - exact).abs().max()
-    for form, rows in (("int8", 5), ("int8_residual", 3)):
-        x = torch.randn(rows, k)
-        got = weight_only.kernel_linear(x, packed, None, form)
-        assert torch.allclose(got, _reference(x, packed), rtol=1e-5, atol=1e-4), form
+
+
+@pytest.mark.skipif(not ROW_INT8, reason="x on int16 runs on AVX2")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("k", "n", "group"), [(64, 33, 32), (576, 100, 32), (1536, 40, 1536),
+                                               (288, 9, 96)])  # fmt: skip
+def test_many_rows_on_int16_x_stay_within_its_rounding_and_do_not_depend_on_the_batch(
+    bits, k, n, group
+):
+    """Beyond their rows (4 for "int8", 2 for "int8_residual") both forms round each row of x
+    to int16 per block of 32 and multiply the codes in int16 panels: within that rounding's
+    bound (half a step of the block's largest |x| / 32767) of the float64 product, with int4
+    offsets and wider groups, a partial last panel (n % 16) and a partial tile of 4 rows. A
+    row's result is the same bits in any batch and at any place in it."""
+    torch.manual_seed(bits * k + n)
+    w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
+    packed = weight_only.quantize(w, bits, group)
+    dense = packed.dequantize().double()
+    x = torch.randn(41, k) * torch.logspace(-1, 1, k)
+    block_max = x.abs().view(41, k // 32, 32).amax(-1, keepdim=True).expand(41, k // 32, 32)
+    bound = (block_max.reshape(41, k).double() / 65534) @ dense.abs().t()
+    slack = 2e-6 * (x.abs().double() @ dense.abs().t()) + 1e-6  # fp32 sums
+    exact = x.double() @ dense.t()
+    for form, first in (("int8", 5), ("int8_residual", 3)):
+        batch = weight_only.kernel_linear(x, packed, None, form)
+        assert torch.all((batch.double() - exact).abs() <= bound + slack), form
+        assert not torch.equal(batch, weight_only.kernel_linear(x, packed, None, "avx2"))
+        for rows in (slice(0, first), slice(3, 3 + first + 6), slice(20, 41)):
+            alone = weight_only.kernel_linear(x[rows], packed, None, form)
+            assert torch.equal(alone, batch[rows]), (form, rows)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

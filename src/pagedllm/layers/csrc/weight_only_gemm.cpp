@@ -15,9 +15,10 @@
 // rows per pass over the weight), so x stays exact and no dequantized copy of the weight is
 // written. More rows (prefill, large decode batches): on AVX2 each thread dequantizes a slice of
 // weight rows into an fp32 scratch that stays in L2 and runs every row of x against it with its
-// own tile; elsewhere a slab of output rows at a time is dequantized into a scratch tile
-// (straight into bf16 for a bf16 x where the CPU converts natively) and multiplied with ATen's
-// GEMM in x's dtype.
+// own tile (a layer whose x is rounded to int8 for its few rows: the codes widened to int16
+// against x rounded to int16, from 3 or 5 rows on); elsewhere a slab of output rows at a time is
+// dequantized into a scratch tile (straight into bf16 for a bf16 x where the CPU converts
+// natively) and multiplied with ATen's GEMM in x's dtype.
 //
 // The instruction set (AVX-512, AVX2 + FMA + F16C, portable C++) is picked at run time, each
 // compiled with its own target attribute, so one build serves any x86 CPU. Sums run in fp32
@@ -387,9 +388,9 @@ __attribute__((target("avx2,fma"))) void round_row_avx2(const float* x, int64_t 
 // int4: a pair's two maddubs make 16 int16 sums, each <= 2 * 2 * 15 * 127 = 7620. Two levels
 // of hadd_epi16 over the four pairs keep them in int16 (<= 30480) and leave each block's sum in
 // two lanes, which one madd with ones widens to int32: one madd a group where a madd a pair and
-// three hadd_epi32 took a fifth more time (vpmaddubsw and vpmaddwd share one port on Zen 3,
-// about one a cycle). int8 codes lend x their sign, so a lane reaches 2 * 127 * 127: they
-// widen each block at once.
+// three hadd_epi32 took a fifth more time (vpmaddubsw and vpmaddwd share the same two pipes on
+// Zen 3, two of them a cycle). int8 codes lend x their sign, so a lane reaches 2 * 127 * 127:
+// they widen each block at once.
 template <bool kInt4, int P>
 __attribute__((target("avx2,fma"), always_inline)) inline void totals8_avx2(
     const uint8_t* w, const int8_t* x, int64_t stride, int count, __m256i (&t)[P]) {
@@ -634,7 +635,7 @@ void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, flo
 // format's down_proj and LM head): each row of x rounded to int16 per block of 32 (scale
 // max|x| / 32767, off by at most 1.5e-5 times the block's largest |x|, as two int8 parts are),
 // and codes widened to int16 meet it through one madd a 16 features. Two int8 parts take a
-// maddubs and a madd each a 32 features, and those share one port on Zen 3: this is half as
+// maddubs and a madd each a 32 features, and those share two pipes on Zen 3: this is half as
 // many, and SmolLM2's LM head at one row of x (its GGUF file's Q8_0 embedding) took 1.6x less
 // time on 1 and on 2 threads of a 2-core Zen 3.
 __attribute__((target("avx2,fma"))) void round_row_int16_avx2(const float* x, int64_t k,
@@ -892,8 +893,10 @@ void panel_tile(int mr, const float* x, int64_t k, const float* panel, int nr, f
   }
 }
 
-// Panels a slice holds.
-int64_t slice_panels(int64_t k) { return std::max<int64_t>(1, kSliceBytes / (4 * kPanel * k)); }
+// Panels a slice holds, of weights `bytes` wide.
+int64_t slice_panels(int64_t k, int64_t bytes = 4) {
+  return std::max<int64_t>(1, kSliceBytes / (bytes * kPanel * k));
+}
 
 // Weight rows [n0, n1) (n0 a multiple of 16) for every row of x (fp32 [M, K]) into y [M, N];
 // scratch: the slice's panels and one panel's rows.
@@ -920,6 +923,191 @@ at::Tensor slice_linear(const at::Tensor& xf, const Operands& w) {
     const at::Tensor scratch = at::empty({(step + 1) * kPanel * w.k}, xf.options());  // aligned
     slices_avx2(w, p0 * kPanel, std::min(w.n, p1 * kPanel), scratch.data_ptr<float>(),
                 y.data_ptr<float>());
+  });
+  return y;
+}
+
+// ---- many rows on AVX2 with x on int16: the codes in int16 panels ------------------------------
+// The int8 activation forms ("int8", "int8_residual") beyond their rows: each row of x rounded
+// to int16 per block of 32 (round_row_int16_avx2: off by at most 1.5e-5 times the block's
+// largest |x|), and the slices' scheme with the codes themselves, widened to int16, in place of
+// fp32 weights: panels of 16 weight rows by pairs of features ([K / 2][16][2]), so that one
+// madd multiplies a pair of x's features, broadcast, into 8 of the panel's rows: 16
+// multiply-adds where an FMA does 8, and Zen 3 issues two of either a cycle (with the madd's
+// add to its int32 sums, 1.3-1.5x the fp32 slices on SmolLM2's products at 12-1024 rows, one
+// thread, taking turns in one process). A block's int32
+// sums (at most 32 * 128 * 32767) meet their constants once per block: the weight's scale and
+// x's, and for int4 codes the offset times x's block sum. A row of x sums its blocks in order,
+// whatever tile it falls in.
+struct Int16X {
+  const int16_t* q;    // [M, K] codes
+  const float* scale;  // [M, K / 32]
+  const float* sum;    // [M, K / 32]: scale times the block's code sum (int4 offsets), or null
+};
+
+// Rows [r0, r1) of x (fp32 [M, K]) rounded to int16 per block, and their blocks' sums.
+void round_rows_int16(const float* x, int64_t k, int64_t r0, int64_t r1, int16_t* q,
+                      float* scale, float* sum) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    round_row_int16_avx2(x + r * k, k, q + r * k, scale + r * blocks);
+    for (int64_t b = 0; sum != nullptr && b < blocks; ++b) {
+      int32_t total = 0;
+      for (int i = 0; i < kBlock; ++i) total += q[r * k + b * kBlock + i];
+      sum[r * blocks + b] = float(total) * scale[r * blocks + b];
+    }
+  }
+}
+
+// Weight rows [n0, n0 + rows) (rows <= 16) as one int16 panel [K / 2][16][2] and their
+// constants by block ([K / 32][16] scales, and offsets for int4), rows past the end zero;
+// by_rows: an int16 [16, K] scratch for the rows as they widen.
+__attribute__((target("avx2,fma,f16c"))) void widen_panel_avx2(const Operands& w, int64_t n0,
+                                                               int64_t rows, int16_t* by_rows,
+                                                               int16_t* panel, float* scales,
+                                                               float* offsets) {
+  const int64_t blocks = w.k / kBlock;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t i = 0; i < kPanel; ++i) {
+    int16_t* dst = by_rows + i * w.k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c = (n0 + i) * w.groups + w.group_of[b];
+      scales[b * kPanel + i] = i < rows ? constant(w.scale, c) : 0.0f;
+      if (w.int4) offsets[b * kPanel + i] = i < rows ? constant(w.offset, c) : 0.0f;
+      __m256i lo = _mm256_setzero_si256(), hi = lo;
+      if (i < rows && w.int4) {  // features j and j + 16 share byte j
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block(n0 + i, b)));
+        lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble));
+        hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+      } else if (i < rows) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(w.block(n0 + i, b));
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(src));
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * kBlock), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * kBlock + 16), hi);
+    }
+  }
+  // A pair of features is a 32-bit unit: the float transpose moves them as they are.
+  const int64_t units = w.k / 2;
+  const float* src = reinterpret_cast<const float*>(by_rows);
+  float* dst = reinterpret_cast<float*>(panel);
+  for (int64_t half = 0; half < kPanel; half += 8)
+    for (int64_t j = 0; j < units; j += 8)
+      transpose8_avx2(src + half * units + j, units, dst + j * kPanel + half, kPanel);
+}
+
+// Rows [r0, r0 + MR) of x by one int16 panel: y[r, 0..nr) of rows ldy apart. kOffsets: int4.
+template <int MR, bool kOffsets>
+__attribute__((target("avx2,fma"))) void int16_tile_avx2(const Int16X& x, int64_t r0, int64_t k,
+                                                         const int16_t* panel,
+                                                         const float* scales,
+                                                         const float* offsets, int nr, float* y,
+                                                         int64_t ldy) {
+  const int64_t blocks = k / kBlock;
+  alignas(32) float out[MR][kPanel] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i lo[MR], hi[MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    const int16_t* wb = panel + b * kBlock * kPanel;
+    const int16_t* xb = x.q + r0 * k + b * kBlock;
+    for (int p = 0; p < kBlock / 2; ++p) {
+      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 2 * p * kPanel));
+      const __m256i w1 =
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 2 * p * kPanel + kPanel));
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xb + r * k + 2 * p, 4);
+        const __m256i xv = _mm256_set1_epi32(pair);
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, w0));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, w1));
+        // In place: left to itself GCC 12 adds into a new register and copies it back, 8
+        // more instructions a pair (1.2x slower, a C++ harness of this tile on Zen 3).
+        __asm__("" : "+x"(lo[r]), "+x"(hi[r]));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scales + b * kPanel);
+    const __m256 s1 = _mm256_loadu_ps(scales + b * kPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * blocks + b]);
+      __m256 o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(s0, sx),
+                                  _mm256_load_ps(out[r]));
+      __m256 o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(s1, sx),
+                                  _mm256_load_ps(out[r] + 8));
+      if constexpr (kOffsets) {
+        const __m256 xs = _mm256_set1_ps(x.sum[(r0 + r) * blocks + b]);
+        o0 = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + b * kPanel), xs, o0);
+        o1 = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + b * kPanel + 8), xs, o1);
+      }
+      _mm256_store_ps(out[r], o0);
+      _mm256_store_ps(out[r] + 8, o1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::copy(out[r], out[r] + nr, y + r * ldy);
+}
+
+template <bool kOffsets>
+void int16_tile(int mr, const Int16X& x, int64_t r0, int64_t k, const int16_t* panel,
+                const float* scales, const float* offsets, int nr, float* y, int64_t ldy) {
+  switch (mr) {
+    case 1: return int16_tile_avx2<1, kOffsets>(x, r0, k, panel, scales, offsets, nr, y, ldy);
+    case 2: return int16_tile_avx2<2, kOffsets>(x, r0, k, panel, scales, offsets, nr, y, ldy);
+    case 3: return int16_tile_avx2<3, kOffsets>(x, r0, k, panel, scales, offsets, nr, y, ldy);
+    default: return int16_tile_avx2<4, kOffsets>(x, r0, k, panel, scales, offsets, nr, y, ldy);
+  }
+}
+
+// Weight rows [n0, n1) (n0 a multiple of 16) for every row of x into y [M, N]; scratch: the
+// slice's panels and one panel's rows (int16), then the slice's constants (fp32).
+void int16_slices_avx2(const Operands& w, const Int16X& x, int64_t n0, int64_t n1,
+                       int16_t* scratch, float* constants, float* y) {
+  const int64_t k = w.k, blocks = k / kBlock, step = slice_panels(k, 2) * kPanel;
+  int16_t* by_rows = scratch + step * k;
+  float* offsets = constants + step * blocks;
+  for (int64_t s = n0; s < n1; s += step) {
+    const int64_t e = std::min(n1, s + step);
+    for (int64_t n = s; n < e; n += kPanel)
+      widen_panel_avx2(w, n, std::min(kPanel, e - n), by_rows, scratch + (n - s) * k,
+                       constants + (n - s) * blocks, offsets + (n - s) * blocks);
+    for (int64_t r = 0; r < w.m; r += 4) {
+      const int mr = int(std::min<int64_t>(4, w.m - r));
+      for (int64_t n = s; n < e; n += kPanel) {
+        const int nr = int(std::min(kPanel, e - n));
+        const int64_t at = (n - s) * blocks;
+        float* out = y + r * w.n + n;
+        if (w.int4)
+          int16_tile<true>(mr, x, r, k, scratch + (n - s) * k, constants + at, offsets + at, nr,
+                           out, w.n);
+        else
+          int16_tile<false>(mr, x, r, k, scratch + (n - s) * k, constants + at, nullptr, nr,
+                            out, w.n);
+      }
+    }
+  }
+}
+
+// x [M, K] fp32, many rows -> y [M, N] fp32 on int16 x.
+at::Tensor int16_x_slice_linear(const at::Tensor& xf, const Operands& w) {
+  const int64_t m = w.m, k = w.k, blocks = k / kBlock;
+  const at::Tensor q = at::empty({m, k}, xf.options().dtype(at::kShort));
+  const at::Tensor sx = at::empty({2, m, blocks}, xf.options());
+  int16_t* codes = q.data_ptr<int16_t>();
+  float* scales = sx.data_ptr<float>();
+  float* sums = w.int4 ? scales + m * blocks : nullptr;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    round_rows_int16(w.x, k, r0, r1, codes, scales, sums);
+  });
+  const Int16X x{codes, scales, sums};
+  at::Tensor y = at::empty({m, w.n}, xf.options());
+  const int64_t panels = (w.n + kPanel - 1) / kPanel, step = slice_panels(k, 2);
+  at::parallel_for(0, panels, step, [&](int64_t p0, int64_t p1) {
+    const at::Tensor scratch = at::empty({(step + 1) * kPanel * k}, q.options());  // aligned
+    const at::Tensor constants = at::empty({2 * step * kPanel * blocks}, xf.options());
+    int16_slices_avx2(w, x, p0 * kPanel, std::min(w.n, p1 * kPanel), scratch.data_ptr<int16_t>(),
+                      constants.data_ptr<float>(), y.data_ptr<float>());
   });
   return y;
 }
@@ -1008,8 +1196,11 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
              Constants{scale.data_ptr(), half},
              Constants{bits == 4 ? offset->data_ptr() : nullptr, half},
              m, n, k, group, bits == 4, k / group, group_of.data()};
+  const int64_t int8_rows = residual ? kResidualMaxRows : kInt8MaxRows;
 #if PAGEDLLM_X86 && defined(__GNUC__)
-  const bool slices = i == Isa::kAvx2 && m > kSliceMinRows;
+  // AVX2, beyond the rows of x's own kernel: slices (the int8 forms' on int16 x from 3 or 5
+  // rows, 1.3-1.9x the fp32 kernel by rows at 6-8 rows on a 2-core Zen 3)
+  const bool slices = i == Isa::kAvx2 && m > (int8_x ? int8_rows : kSliceMinRows);
 #else
   constexpr bool slices = false;
 #endif
@@ -1022,9 +1213,11 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
   o.x = xf.data_ptr<float>();
   at::Tensor y;
 #if PAGEDLLM_X86 && defined(__GNUC__)
-  if (slices)  // AVX2: slices through the broadcast tile
+  if (slices && int8_x)  // AVX2: slices of int16 codes on x rounded to int16
+    y = int16_x_slice_linear(xf, o);
+  else if (slices)  // AVX2: fp32 slices through the broadcast tile
     y = slice_linear(xf, o);
-  else if (int8_x && m > 0 && n > 0 && m <= (residual ? kResidualMaxRows : kInt8MaxRows))
+  else if (int8_x && m > 0 && n > 0 && m <= int8_rows)
     y = int8_x_linear(xf, o, residual ? 2 : 1);
 #endif
   if (!y.defined()) {
