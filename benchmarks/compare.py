@@ -544,6 +544,7 @@ def real_model_main(args: argparse.Namespace) -> None:
         f"{SERVE_PROMPT_TOKENS[1]} tokens ({sum(len(r.prompt) for r in reqs)} in all), outputs "
         f"{output_range[0]}-{output_range[1]} ({sum(r.output_len for r in reqs)} in all), "
         "greedy, ignore_eos",
+        "serve_rounds": 1 if args.quick else args.serve_rounds,
     }
     start = time.perf_counter()
     rows = {e.label: {"engine": e.name, "format": e.fmt, "series": e.series, "family": e.family,
@@ -569,7 +570,7 @@ def real_model_main(args: argparse.Namespace) -> None:
 
     # Serving: the engines take turns too, round after round; each keeps its best.
     out_tokens = sum(r.output_len for r in reqs)
-    for _ in range(1 if args.quick else args.serve_rounds):
+    for _ in range(results["workload"]["serve_rounds"]):
         for e in engines:
             row = rows[e.label]
             if e.name == "pagedllm":
@@ -641,7 +642,8 @@ def real_model_markdown(results: dict) -> str:
         f"{bw[1]['read_gb_s']:.1f} / {bw[1]['read_best_gb_s']:.1f} at the end",
         f"- batch 1: {results['workload']['batch1']}",
         f"- serving: {results['workload']['serving']}, through each engine's HTTP server "
-        "(/v1/completions), best of the rounds (the engines taking turns)",
+        f"(/v1/completions), best of {results['workload']['serve_rounds']} (the engines "
+        "taking turns)",
         f"- command: `{results['command']}`",
         "",
         "| engine | format | weights MB / token | batch-1 tok/s | bound tok/s | of bound "
