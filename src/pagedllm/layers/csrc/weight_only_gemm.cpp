@@ -16,7 +16,7 @@
 // written. More rows (prefill, large decode batches): on AVX2 each thread dequantizes a slice of
 // weight rows into an fp32 scratch that stays in L2 and runs every row of x against it with its
 // own tile (a layer whose x is rounded to int8 for its few rows: the codes widened to int16
-// against x rounded to int16, from 3 or 5 rows on); elsewhere a slab of output rows at a time is
+// against x rounded to int16, from 5 rows on); elsewhere a slab of output rows at a time is
 // dequantized into a scratch tile (straight into bf16 for a bf16 x where the CPU converts
 // natively) and multiplied with ATen's GEMM in x's dtype.
 //
@@ -935,10 +935,9 @@ at::Tensor slice_linear(const at::Tensor& xf, const Operands& w) {
 // madd multiplies a pair of x's features, broadcast, into 8 of the panel's rows: 16
 // multiply-adds where an FMA does 8, and Zen 3 issues two of either a cycle (with the madd's
 // add to its int32 sums, 1.3-1.5x the fp32 slices on SmolLM2's products at 12-1024 rows, one
-// thread, taking turns in one process). A block's int32
-// sums (at most 32 * 128 * 32767) meet their constants once per block: the weight's scale and
-// x's, and for int4 codes the offset times x's block sum. A row of x sums its blocks in order,
-// whatever tile it falls in.
+// thread, taking turns in one process). A block's int32 sums (at most 32 * 128 * 32767) meet
+// their constants once per block: the weight's scale and x's, and for int4 codes the offset
+// times x's block sum. A row of x sums its blocks in order, whatever tile it falls in.
 struct Int16X {
   const int16_t* q;    // [M, K] codes
   const float* scale;  // [M, K / 32]
@@ -1008,7 +1007,7 @@ __attribute__((target("avx2,fma"))) void int16_tile_avx2(const Int16X& x, int64_
   alignas(32) float out[MR][kPanel] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i lo[MR], hi[MR];
-#pragma GCC unroll 6
+#pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
     const int16_t* wb = panel + b * kBlock * kPanel;
     const int16_t* xb = x.q + r0 * k + b * kBlock;
@@ -1016,7 +1015,7 @@ __attribute__((target("avx2,fma"))) void int16_tile_avx2(const Int16X& x, int64_
       const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 2 * p * kPanel));
       const __m256i w1 =
           _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 2 * p * kPanel + kPanel));
-#pragma GCC unroll 6
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         int32_t pair;
         std::memcpy(&pair, xb + r * k + 2 * p, 4);
@@ -1030,7 +1029,7 @@ __attribute__((target("avx2,fma"))) void int16_tile_avx2(const Int16X& x, int64_
     }
     const __m256 s0 = _mm256_loadu_ps(scales + b * kPanel);
     const __m256 s1 = _mm256_loadu_ps(scales + b * kPanel + 8);
-#pragma GCC unroll 6
+#pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * blocks + b]);
       __m256 o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(s0, sx),
@@ -1198,9 +1197,9 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
              m, n, k, group, bits == 4, k / group, group_of.data()};
   const int64_t int8_rows = residual ? kResidualMaxRows : kInt8MaxRows;
 #if PAGEDLLM_X86 && defined(__GNUC__)
-  // AVX2, beyond the rows of x's own kernel: slices (the int8 forms' on int16 x from 3 or 5
-  // rows, 1.3-1.9x the fp32 kernel by rows at 6-8 rows on a 2-core Zen 3)
-  const bool slices = i == Isa::kAvx2 && m > (int8_x ? int8_rows : kSliceMinRows);
+  // AVX2: slices beyond 8 rows, the int8 forms' (on int16 x) beyond 4: at 5-6 rows 1.1-1.9x
+  // the fp32 kernel by rows on SmolLM2's shapes, at 3 rows 0.84-1.07x (a 2-core Zen 3)
+  const bool slices = i == Isa::kAvx2 && m > (int8_x ? kInt8MaxRows : kSliceMinRows);
 #else
   constexpr bool slices = false;
 #endif
