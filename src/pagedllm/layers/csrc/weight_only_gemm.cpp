@@ -843,15 +843,20 @@ __attribute__((target("avx2,fma"))) inline void transpose8_avx2(const float* in,
   }
 }
 
+// 16 rows of `units` 32-bit values each (by_rows [16, units]) into a panel [units][16].
+void transpose_panel_avx2(const float* by_rows, int64_t units, float* panel) {
+  for (int64_t half = 0; half < kPanel; half += 8)
+    for (int64_t j = 0; j < units; j += 8)
+      transpose8_avx2(by_rows + half * units + j, units, panel + j * kPanel + half, kPanel);
+}
+
 // Weight rows [n0, n0 + rows) (rows <= 16) as one panel [K][16], rows past the end zero; rows:
 // a [16, K] fp32 scratch for the rows as they unpack.
 void dequantize_panel_avx2(const Operands& w, int64_t n0, int64_t rows, float* by_rows,
                            float* panel) {
   dequantize_rows_avx2(w, n0, n0 + rows, by_rows);
   std::fill(by_rows + rows * w.k, by_rows + kPanel * w.k, 0.f);
-  for (int64_t half = 0; half < kPanel; half += 8)
-    for (int64_t j = 0; j < w.k; j += 8)
-      transpose8_avx2(by_rows + half * w.k + j, w.k, panel + j * kPanel + half, kPanel);
+  transpose_panel_avx2(by_rows, w.k, panel);
 }
 
 // Rows of x [MR] by one panel: y[r, 0..nr) of rows ldy apart.
@@ -988,12 +993,8 @@ __attribute__((target("avx2,fma,f16c"))) void widen_panel_avx2(const Operands& w
     }
   }
   // A pair of features is a 32-bit unit: the float transpose moves them as they are.
-  const int64_t units = w.k / 2;
-  const float* src = reinterpret_cast<const float*>(by_rows);
-  float* dst = reinterpret_cast<float*>(panel);
-  for (int64_t half = 0; half < kPanel; half += 8)
-    for (int64_t j = 0; j < units; j += 8)
-      transpose8_avx2(src + half * units + j, units, dst + j * kPanel + half, kPanel);
+  transpose_panel_avx2(reinterpret_cast<const float*>(by_rows), w.k / 2,
+                       reinterpret_cast<float*>(panel));
 }
 
 // Rows [r0, r0 + MR) of x by one int16 panel: y[r, 0..nr) of rows ldy apart. kOffsets: int4.
