@@ -63,6 +63,43 @@ def test_add_rms_norm_matches_torch(monkeypatch, dtype, rows, offset) -> None:
     assert got_out.data_ptr() == x_in.data_ptr()  # in place: no new tensor per layer
 
 
+def _norm_of_sums(sums: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool):  # noqa: ANN202
+    """The kernel's bf16 RMSNorm of rows, op by op in fp32 (no FMA): 16 lanes of squares, the
+    rest into lane 0, the lanes summed in order, each rounding to bf16 where the loop rounds."""
+    f = sums.float()
+    dim, whole = f.shape[1], f.shape[1] // 16 * 16
+    lanes = torch.zeros(f.shape[0], 16)
+    for i in range(0, whole, 16):
+        lanes = lanes + f[:, i : i + 16] * f[:, i : i + 16]
+    for i in range(whole, dim):
+        lanes[:, 0] = lanes[:, 0] + f[:, i] * f[:, i]
+    total = torch.zeros(f.shape[0])
+    for j in range(16):
+        total = total + lanes[:, j]
+    inv = (1.0 / torch.sqrt(total / dim + eps))[:, None]
+    if offset:
+        return ((f * inv) * (1.0 + weight.float())).bfloat16()
+    return (weight.float() * (f * inv).bfloat16().float()).bfloat16()
+
+
+@pytest.mark.parametrize("dim", [7, 40, 576])  # the scalar loop alone; 8 or 16 lanes and a rest
+@pytest.mark.parametrize("offset", [False, True])
+def test_bf16_norms_give_the_scalar_loops_bits(dim, offset) -> None:
+    """bf16 norms run 8 lanes at a time where the build has AVX2 without AVX-512: residual + x
+    rounded to bf16, the squares' sums and the scaled rows come out as the scalar loop's bits."""
+    torch.manual_seed(dim)
+    x, residual = torch.randn(3, dim).bfloat16() * 3, torch.randn(3, dim).bfloat16()
+    weight = torch.randn(dim).bfloat16()
+    sums = (x.float() + residual.float()).bfloat16()
+    with torch.inference_mode():
+        out, res = cpu_fused.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6, offset)
+        alone = cpu_fused.rms_norm(sums, weight, 1e-6, offset)
+    want = _norm_of_sums(sums, weight, 1e-6, offset)
+    assert torch.equal(res.view(torch.int16), sums.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(alone.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [False, True])
 def test_plain_rms_norm_per_head_matches_torch(dtype, offset) -> None:
@@ -117,7 +154,8 @@ def _counted(calls: list, module) -> object:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim", [32, 48])  # bf16 halves of 16 features take AVX-512 vectors
+# bf16 halves of 16 features take AVX-512 vectors, of 8 AVX2 ones; 40 the scalar loop
+@pytest.mark.parametrize("dim", [32, 48, 40])
 def test_rotary_matches_torch_on_strided_qkv(dtype, dim) -> None:
     torch.manual_seed(0)
     rope = RotaryEmbedding(dim, 64, 10000.0, None, dtype)
@@ -166,8 +204,9 @@ def test_gated_activations_match_torch(monkeypatch, dtype, op, kernel) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_loop(dtype) -> None:
-    """bf16 rows of 16 or more features run 16 at a time where the build has AVX-512, fp32
-    rows 8 at a time where it has AVX2; a row of one feature runs the scalar loop. The same
+    """bf16 rows of 16 or more features run 16 at a time where the build has AVX-512 (8 at a
+    time where it has AVX2 only), fp32 rows 8 at a time where it has AVX2; a row of one feature
+    runs the scalar loop. The same
     values (exp's clamped range, signed zeros, NaN, infinities) either way give the same bits."""
     torch.manual_seed(0)
     special = [-100.0, 100.0, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 87.0, -87.0,
@@ -184,9 +223,10 @@ def test_silu_and_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_loop(dt
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_torch(dtype, rows, bias) -> None:
+@pytest.mark.parametrize("k", [200, 208, 576])  # bf16 at one row on AVX2: 32s, a 16, the rest
+def test_gemv_matches_torch(dtype, rows, bias, k) -> None:
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, 200, dtype=dtype), torch.randn(70, 200, dtype=dtype)
+    x, w = torch.randn(rows, k, dtype=dtype), torch.randn(70, k, dtype=dtype)
     b = torch.randn(70, dtype=dtype) if bias else None
     got = cpu_fused.gemv(x, w, b)
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())

@@ -110,10 +110,9 @@ def test_chat_template_renders_like_transformers(gguf_path, hf_tokenizer):
             )
 
 
-def test_greedy_chat_matches_transformers_under_the_top5_criterion(llm, hf_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder(), dtype=torch.float32)
+def _chat_prompts_matched(llm, hf, hf_tokenizer, names: tuple[str, str]) -> list[int]:  # noqa: ANN001
+    """Each chat prompt's 12 greedy tokens from both under the top-5 criterion (raising where
+    it fails): how many match before the first difference."""
     matched = []
     for question in CHAT_PROMPTS:
         conversation = [{"role": "user", "content": question}]
@@ -124,8 +123,36 @@ def test_greedy_chat_matches_transformers_under_the_top5_criterion(llm, hf_token
         )
         ours = pagedllm_greedy(llm, ids, max_tokens=12)
         theirs = hf_greedy_top(hf, ids, max_tokens=12)
-        matched.append(check_logprobs_close(ours, theirs, ("pagedllm", "transformers")))
+        matched.append(check_logprobs_close(ours, theirs, names))
+    return matched
+
+
+def test_greedy_chat_matches_transformers_under_the_top5_criterion(llm, hf_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder(), dtype=torch.float32)
+    matched = _chat_prompts_matched(llm, hf, hf_tokenizer, ("pagedllm", "transformers"))
     assert sum(matched) >= len(CHAT_PROMPTS) * 6, matched  # mostly equal, not just close
+
+
+def test_bf16_decode_matches_transformers_bf16_under_the_top5_criterion(hf_tokenizer, monkeypatch):
+    """The folder in bf16: decode steps run bf16 one-row products (the C++ GEMV, the LM head's
+    counted here) against transformers in bf16, under the same criterion."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.layers import cpu_fused
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder(), dtype=torch.bfloat16)
+    llm = LLM(model=str(smollm2_hf_folder()), dtype="bfloat16", kv_cache_memory_bytes=32 << 20,
+              max_model_len=512)  # fmt: skip
+    head_rows = []
+    real = cpu_fused.gemv
+    monkeypatch.setattr(
+        cpu_fused, "gemv", lambda x, w, b: head_rows.append(x.dtype) or real(x, w, b)
+    )
+    matched = _chat_prompts_matched(llm, hf, hf_tokenizer, ("pagedllm bf16", "transformers bf16"))
+    assert head_rows and set(head_rows) == {torch.bfloat16}
+    assert sum(matched) >= len(CHAT_PROMPTS) * 6, matched
 
 
 def test_chat_answers_the_capital_of_france(llm):

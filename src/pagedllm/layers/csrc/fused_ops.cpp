@@ -46,6 +46,35 @@ int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
 }
 
+#if F32_VECTORS && !BF16_VECTORS
+// 8 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (nearest
+// even, NaN -> 0x7FC0): bf16x16_load / bf16x16_round on 8 lanes, the same bits.
+inline __m256 bf16x8_load(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i bf16x8_round_bits(__m256 v) {  // the bf16 bits in the low half of each lane
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+inline __m256 bf16x8_rounded(__m256 v) {  // v rounded to bf16, as fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_round_bits(v), 16));
+}
+
+inline void bf16x8_store(c10::BFloat16* p, __m256 v) {
+  const __m256i r = bf16x8_round_bits(v);  // values below 2^16: packus keeps them
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+
+#endif
+
 // Calls fn with a value of the element type of dtype (float or BFloat16, the two these ops
 // take); another dtype is an error naming op.
 template <typename F>
@@ -65,14 +94,26 @@ template <typename T>
 inline void scale_row(const T* r, T* out, const T* wp, int64_t dim, float sum, double eps,
                       bool offset) {
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+  int64_t i = 0;
+#if F32_VECTORS && !BF16_VECTORS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the loops below, 8 lanes at a time
+    const __m256 scale = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= dim; i += 8) {
+      const __m256 normed = _mm256_mul_ps(bf16x8_load(r + i), scale);
+      const __m256 w = bf16x8_load(wp + i);
+      bf16x8_store(out + i, offset ? _mm256_mul_ps(normed, _mm256_add_ps(one, w))
+                                   : _mm256_mul_ps(w, bf16x8_rounded(normed)));
+    }
+  }
+#endif
   if (offset) {
-    for (int64_t i = 0; i < dim; ++i) {
+    for (; i < dim; ++i) {
       const float normed = static_cast<float>(r[i]) * inv;
       out[i] = static_cast<T>(normed * (1.f + static_cast<float>(wp[i])));
     }
     return;
   }
-  for (int64_t i = 0; i < dim; ++i) {
+  for (; i < dim; ++i) {
     T normed = static_cast<T>(static_cast<float>(r[i]) * inv);
     out[i] = static_cast<T>(static_cast<float>(wp[i]) * static_cast<float>(normed));
   }
@@ -82,6 +123,17 @@ template <typename T>
 float sum_of_squares(const T* r, int64_t dim) {
   float lanes[16] = {0.f};  // 16 partial sums: a reduction the compiler vectorizes
   int64_t i = 0;
+#if F32_VECTORS && !BF16_VECTORS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same sums, 8 lanes at a time
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; i + 16 <= dim; i += 16) {
+      const __m256 a = bf16x8_load(r + i), b = bf16x8_load(r + i + 8);
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+    }
+    _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
+  }
+#endif
   for (; i + 16 <= dim; i += 16) {
     for (int j = 0; j < 16; ++j) {
       const float f = static_cast<float>(r[i + j]);
@@ -111,6 +163,20 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
       T* rr = rp + r * rs;
       float lanes[16] = {0.f};  // 16 partial sums: a reduction the compiler vectorizes
       int64_t i = 0;
+#if F32_VECTORS && !BF16_VECTORS
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same sums, 8 lanes at a time
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (; i + 16 <= dim; i += 16) {
+          const __m256 a = bf16x8_rounded(_mm256_add_ps(bf16x8_load(xr + i), bf16x8_load(rr + i)));
+          const __m256 b =
+              bf16x8_rounded(_mm256_add_ps(bf16x8_load(xr + i + 8), bf16x8_load(rr + i + 8)));
+          bf16x8_store(rr + i, a), bf16x8_store(rr + i + 8, b);  // bf16 values: stored exactly
+          lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+          hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+        }
+        _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
+      }
+#endif
       for (; i + 16 <= dim; i += 16) {
         for (int j = 0; j < 16; ++j) {
           T s = static_cast<T>(static_cast<float>(xr[i + j]) + static_cast<float>(rr[i + j]));
@@ -196,24 +262,45 @@ inline __m512 bf16x16_rounded(__m512 v) {  // v rounded to bf16, as fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round(v)), 16));
 }
 
-// rotate_rows for bf16, 16 features at a time (the scalar conversions cost a 48-row decode
-// step of SmolLM2 2.6% of its time).
+// bf16 rows in vectors of 16 features: rotate_rows_bf16's lanes.
+struct Bf16x16 {
+  static constexpr int kWidth = 16;
+  static __m512 load(const c10::BFloat16* p) { return bf16x16_load(p); }
+  static __m512 rounded(__m512 v) { return bf16x16_rounded(v); }
+  static void store(c10::BFloat16* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_round(v));
+  }
+};
+#endif
+
+#if F32_VECTORS && !BF16_VECTORS
+// The same on 8 lanes (AVX2): SmolLM2's bf16 decode spent 4.7 us a layer in the scalar loop's
+// conversions on a Zen 3.
+struct Bf16x8 {
+  static constexpr int kWidth = 8;
+  static __m256 load(const c10::BFloat16* p) { return bf16x8_load(p); }
+  static __m256 rounded(__m256 v) { return bf16x8_rounded(v); }
+  static void store(c10::BFloat16* p, __m256 v) { bf16x8_store(p, v); }
+};
+#endif
+
+#if BF16_VECTORS || F32_VECTORS
+// rotate_rows for bf16, L::kWidth features at a time, each product rounded as the scalar loop
+// rounds it (the scalar conversions cost a 48-row decode step of SmolLM2 2.6% of its time).
+template <typename L>
 void rotate_rows_bf16(const c10::BFloat16* in, c10::BFloat16* out, const c10::BFloat16* cos,
                       const c10::BFloat16* sin, int64_t heads, int64_t in_hs, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     const c10::BFloat16* x = in + h * in_hs;
     c10::BFloat16* y = out + h * dim;
-    for (int64_t i = 0; i < half; i += 16) {
-      const __m512 x1 = bf16x16_load(x + i), x2 = bf16x16_load(x + i + half);
-      const __m512 a = bf16x16_rounded(_mm512_mul_ps(x1, bf16x16_load(cos + i)));
-      const __m512 b = bf16x16_rounded(
-          _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(sin + i)));
-      const __m512 c = bf16x16_rounded(_mm512_mul_ps(x2, bf16x16_load(cos + i + half)));
-      const __m512 d = bf16x16_rounded(_mm512_mul_ps(x1, bf16x16_load(sin + i + half)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), bf16x16_round(_mm512_add_ps(a, b)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i + half),
-                          bf16x16_round(_mm512_add_ps(c, d)));
+    for (int64_t i = 0; i < half; i += L::kWidth) {
+      const auto x1 = L::load(x + i), x2 = L::load(x + i + half);
+      const auto a = L::rounded(x1 * L::load(cos + i)), b = L::rounded(-x2 * L::load(sin + i));
+      const auto c = L::rounded(x2 * L::load(cos + i + half));
+      const auto d = L::rounded(x1 * L::load(sin + i + half));
+      L::store(y + i, a + b);
+      L::store(y + i + half, c + d);
     }
   }
 }
@@ -225,7 +312,11 @@ void rotate_rows(const T* in, T* out, const T* cos, const T* sin, int64_t heads,
   const int64_t half = dim / 2;
 #if BF16_VECTORS
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (half % 16 == 0) return rotate_rows_bf16(in, out, cos, sin, heads, in_hs, dim);
+    if (half % 16 == 0) return rotate_rows_bf16<Bf16x16>(in, out, cos, sin, heads, in_hs, dim);
+  }
+#elif F32_VECTORS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (half % 8 == 0) return rotate_rows_bf16<Bf16x8>(in, out, cos, sin, heads, in_hs, dim);
   }
 #endif
   for (int64_t h = 0; h < heads; ++h) {
@@ -364,6 +455,17 @@ inline void silu_mul8_f32(const float* gate, const float* up, float* y) {
   const __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
   _mm256_storeu_ps(y, _mm256_mul_ps(act, _mm256_loadu_ps(up)));
 }
+
+#if !BF16_VECTORS
+// silu(gate) * up for 8 bf16 features, rounded where the scalar loop rounds (the scalar
+// conversions made SmolLM2's bf16 decode spend 13 us a layer here on a Zen 3).
+inline void silu_mul8_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* y) {
+  const __m256 g = bf16x8_load(gate);
+  const __m256 e = fast_exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));  // -g, as a sign flip
+  const __m256 act = bf16x8_rounded(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  bf16x8_store(y, _mm256_mul_ps(act, bf16x8_load(up)));
+}
+#endif
 #endif
 
 template <typename T>
@@ -385,6 +487,10 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 #if F32_VECTORS
       if constexpr (std::is_same_v<T, float>)
         for (; i + 8 <= dim; i += 8) silu_mul8_f32(gate + i, up + i, y + i);
+#if !BF16_VECTORS
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (; i + 8 <= dim; i += 8) silu_mul8_bf16(gate + i, up + i, y + i);
+#endif
 #endif
       for (; i < dim; ++i) {
         const float g = static_cast<float>(gate[i]);
@@ -480,12 +586,77 @@ void gemv_rows(const float* xf, const T* w, int64_t k, int64_t n0, int64_t n1, c
   }
 }
 
+#if F32_VECTORS && !BF16_VECTORS
+// One row of x against bf16 weight rows [n0, n1) with AVX2, a row at a time (the rows are
+// contiguous, so each thread reads one stream; four rows at once read slower from memory). A
+// bf16 is the high half of its fp32, so 16 of them widen in two unpacks with zeros; the
+// unpacks take features 0-3 and 8-11 into one vector and 4-7 and 12-15 into the other, and xs
+// holds x in that order (bf16_x_order). Four sums a row hide the FMA's latency. gemv_rows,
+// widening through the compiler's conversion, was compute-bound: SmolLM2's bf16 products from
+// the caches of a Zen 3 core at 19-22 GB/s, here 35-40; from memory on its two cores 24.3 ->
+// 28.1 GB/s, and the model's bf16 decode 1.14-1.18x (benchmarks/gemv.py, batch1.py).
+void gemv_bf16_rows(const float* xs, const c10::BFloat16* w, int64_t k, int64_t n0, int64_t n1,
+                    const c10::BFloat16* bias, c10::BFloat16* y) {
+  const __m256i zero = _mm256_setzero_si256();
+  const int64_t whole = k / 16 * 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const c10::BFloat16* row = w + n * k;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    auto step = [&](int64_t c, __m256& a, __m256& b) __attribute__((always_inline)) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+      a = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)),
+                          _mm256_loadu_ps(xs + c), a);
+      b = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)),
+                          _mm256_loadu_ps(xs + c + 8), b);
+    };
+    int64_t c = 0;
+    for (; c + 32 <= whole; c += 32) step(c, acc[0], acc[1]), step(c + 16, acc[2], acc[3]);
+    if (c < whole) step(c, acc[0], acc[1]), c += 16;
+    const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (; c < k; ++c) sum += xs[c] * static_cast<float>(row[c]);
+    if (bias != nullptr) sum += static_cast<float>(bias[n]);
+    y[n] = static_cast<c10::BFloat16>(sum);
+  }
+}
+
+// x [k] in the order gemv_bf16_pass reads it: per 16 features, 0-3 8-11 4-7 12-15 (the
+// rest, past the last 16, as it is).
+void bf16_x_order(const float* x, int64_t k, float* xs) {
+  const int64_t whole = k / 16 * 16;
+  for (int64_t c = 0; c < whole; c += 16)
+    for (int i = 0; i < 4; ++i) {
+      xs[c + i] = x[c + i], xs[c + 4 + i] = x[c + 8 + i];
+      xs[c + 8 + i] = x[c + 4 + i], xs[c + 12 + i] = x[c + 12 + i];
+    }
+  for (int64_t c = whole; c < k; ++c) xs[c] = x[c];
+}
+#endif
+
 template <typename T>
 void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   // x in float32, [m][k] contiguous (a copy unless x is float32 and contiguous already)
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
+#if F32_VECTORS && !BF16_VECTORS
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    if (m == 1 && y.stride(1) == 1) {
+      std::vector<float> xs(k);
+      bf16_x_order(xp, k, xs.data());
+      const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
+      T* yp = y.data_ptr<T>();
+      const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k * 2));
+      at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+        gemv_bf16_rows(xs.data(), w.data_ptr<T>(), k, n0, n1, bp, yp);
+      });
+      return;
+    }
+  }
+#endif
   const T* wp = w.data_ptr<T>();
   const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
