@@ -356,25 +356,31 @@ __attribute__((target("avx2,fma"))) void round_row_avx2(const float* x, int64_t 
     __m256 v[4];
     const float top = block_max_avx2(x + b * kBlock, v), scale = top / 127.0f;
     const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-    alignas(32) int32_t codes[kBlock];
-    __m256i total = _mm256_setzero_si256();
+    __m256i c[4], total = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {  // rounded to nearest even, |code| <= 127
-      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), c);
-      total = _mm256_add_epi32(total, c);
+      c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      total = _mm256_add_epi32(total, c[i]);
       if (rest != nullptr)
         _mm256_storeu_ps(rest + b * kBlock + 8 * i,
-                         _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(scale), v[i]));
+                         _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c[i]), _mm256_set1_ps(scale), v[i]));
     }
+    // the 32 codes as bytes in feature order: the packs interleave the 128-bit lanes' 4-code
+    // runs, the permutation puts them back (a loop of 32 byte stores took 4 cycles a feature)
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     // int4: block b of its pair p = b / 2 at bytes 64 p + 16 (b % 2) (features 0-15) and
     // 64 p + 32 + 16 (b % 2) (16-31); its constants at 8 (b / 8) + {0 2 4 6 1 3 5 7}[b % 8]
-    int8_t* dst = pairs ? q + (b / 2) * 64 + (b % 2) * 16 : q + b * kBlock;
-    const int64_t high = pairs ? 32 : 16;
-    for (int j = 0; j < 16; ++j) dst[j] = int8_t(codes[j]), dst[high + j] = int8_t(codes[16 + j]);
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
-    int32_t s = 0;
-    for (int j = 0; j < 8; ++j) s += lanes[j];
+    if (pairs) {
+      int8_t* dst = q + (b / 2) * 64 + (b % 2) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm256_extracti128_si256(bytes, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
+    }
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    sum4 = _mm_hadd_epi32(sum4, sum4);
+    const int32_t s = _mm_cvtsi128_si32(_mm_hadd_epi32(sum4, sum4));
     const int64_t at = pairs ? b / 8 * 8 + (b % 8) / 2 + (b % 2) * 4 : b;
     sx[at] = scale;
     sum[at] = scale * float(s);
