@@ -251,6 +251,42 @@ def test_linear_layer_takes_the_gemv_at_one_row_only(monkeypatch) -> None:
     assert calls == [1]
 
 
+@pytest.mark.parametrize("rows", [2, 5, 64, 65, 130])  # bf16 on AVX2: GEMV passes, widened slabs
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_linear_is_f_linear_and_bf16_keeps_fp32_sums(rows, bias) -> None:
+    """Past the GEMV's one row the layers take float_linear: fp32 is F.linear's product to the
+    bit; bf16 is within its output's rounding of the fp32 product of the same values (on a
+    build without AVX-512 it runs the bf16 GEMV four rows a pass up to 64 rows, beyond that a
+    weight widened to fp32 in slabs, 1,820 rows of 576 features a slab: 3,000 rows take two)."""
+    torch.manual_seed(rows)
+    w, x = torch.randn(3000, 576), torch.randn(rows, 576)
+    b = torch.randn(3000) if bias else None
+    with torch.inference_mode():
+        assert torch.equal(cpu_fused.float_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+        wb, xb = w.bfloat16(), x.bfloat16()
+        bb = None if b is None else b.bfloat16()
+        got = cpu_fused.float_linear(xb, wb, bb)
+        want = torch.nn.functional.linear(
+            xb.float(), wb.float(), None if bb is None else bb.float()
+        )
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 3000)
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2**-8)
+
+
+def test_bf16_layer_takes_float_linear_past_one_row(monkeypatch) -> None:
+    layer = ReplicatedLinear(48, 32, bias=False, dtype=torch.bfloat16)
+    layer.weight.copy_(torch.randn(32, 48))
+    calls = []
+    real = cpu_fused.float_linear
+    monkeypatch.setattr(
+        cpu_fused, "float_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    with torch.inference_mode():
+        for rows in (1, 7):
+            layer(torch.randn(rows, 48, dtype=torch.bfloat16))
+    assert calls == [7]
+
+
 def test_argmax_matches_torch_on_ties_infinities_and_nan() -> None:
     """Greedy's pick: the first of equal maxima, a NaN row's first NaN, an all -inf row 0."""
     torch.manual_seed(0)

@@ -72,6 +72,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return torch.ops.pagedllm_fused.gemv(x, weight, bias)
 
 
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + bias past the GEMV's one row: F.linear's product, except bf16 where the build has
+    no AVX-512 (no bf16 instructions), which takes the bf16 GEMV a few rows a pass or a weight
+    widened to fp32 a slab at a time, where ATen's bf16 GEMM ran 4-6x slower."""
+    return torch.ops.pagedllm_fused.float_linear(x, weight, bias)
+
+
 def gemv_takes(x: torch.Tensor) -> bool:
     """Whether a layer built for the GEMV (a CPU float weight of x's dtype) runs x with it."""
     return x.dim() == 2 and x.shape[0] <= GEMV_USE_ROWS and x.stride(1) == 1

@@ -74,6 +74,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             return panel_gemm.linear(hidden, self.weight_panels, None)
         if self.cpu_gemv and cpu_fused.gemv_takes(hidden):  # a few rows on the CPU (decode)
             return cpu_fused.gemv(hidden, self.weight, None)
+        if self.cpu_gemv:
+            return cpu_fused.float_linear(hidden, self.weight, None)
         return F.linear(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]

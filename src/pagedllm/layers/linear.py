@@ -50,11 +50,14 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias; a quantized layer overrides this and nothing else. A weight in panels
         runs the C++ panel GEMM; else a few rows on the CPU (decode) take the C++ GEMV, which
-        streams the weight at memory speed."""
+        streams the weight at memory speed, and more rows cpu_fused.float_linear (F.linear's
+        product but for bf16 on a CPU without bf16 instructions)."""
         if self.weight_panels is not None:
             return panel_gemm.linear(x, self.weight_panels, bias)
         if self.cpu_gemv and cpu_fused.gemv_takes(x):
             return cpu_fused.gemv(x, self.weight, bias)
+        if self.cpu_gemv:
+            return cpu_fused.float_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

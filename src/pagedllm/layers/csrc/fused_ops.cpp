@@ -587,39 +587,49 @@ void gemv_rows(const float* xf, const T* w, int64_t k, int64_t n0, int64_t n1, c
 }
 
 #if F32_VECTORS && !BF16_VECTORS
-// One row of x against bf16 weight rows [n0, n1) with AVX2, a row at a time (the rows are
-// contiguous, so each thread reads one stream; four rows at once read slower from memory). A
-// bf16 is the high half of its fp32, so 16 of them widen in two unpacks with zeros; the
-// unpacks take features 0-3 and 8-11 into one vector and 4-7 and 12-15 into the other, and xs
-// holds x in that order (bf16_x_order). Four sums a row hide the FMA's latency. gemv_rows,
-// widening through the compiler's conversion, was compute-bound: SmolLM2's bf16 products from
-// the caches of a Zen 3 core at 19-22 GB/s, here 35-40; from memory on its two cores 24.3 ->
-// 28.1 GB/s, and the model's bf16 decode 1.14-1.18x (benchmarks/gemv.py, batch1.py).
+// M rows of x (up to 4) against bf16 weight rows [n0, n1) with AVX2, a weight row at a time
+// (the rows are contiguous, so each thread reads one stream; four weight rows at once read
+// slower from memory). A bf16 is the high half of its fp32, so 16 of them widen in two unpacks
+// with zeros; the unpacks take features 0-3 and 8-11 into one vector and 4-7 and 12-15 into
+// the other, and xs holds each row of x in that order (bf16_x_order). One row of x keeps two
+// sets of sums (alternate 16s) so that four FMA chains hide the latency. gemv_rows, widening
+// through the compiler's conversion, was compute-bound: SmolLM2's bf16 products from the
+// caches of a Zen 3 core at 19-22 GB/s, here 35-40; from memory on its two cores 24.3 -> 28.1
+// GB/s, and the model's bf16 decode 1.14-1.18x (benchmarks/gemv.py, batch1.py).
+template <int M>
 void gemv_bf16_rows(const float* xs, const c10::BFloat16* w, int64_t k, int64_t n0, int64_t n1,
-                    const c10::BFloat16* bias, c10::BFloat16* y) {
+                    const c10::BFloat16* bias, c10::BFloat16* y, int64_t ys) {
+  constexpr int S = M == 1 ? 2 : 1;
   const __m256i zero = _mm256_setzero_si256();
   const int64_t whole = k / 16 * 16;
   for (int64_t n = n0; n < n1; ++n) {
     const c10::BFloat16* row = w + n * k;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    auto step = [&](int64_t c, __m256& a, __m256& b) __attribute__((always_inline)) {
+    __m256 acc[S][M][2];
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < M; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
+    auto step = [&](int64_t c, __m256(&a)[M][2]) __attribute__((always_inline)) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-      a = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)),
-                          _mm256_loadu_ps(xs + c), a);
-      b = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)),
-                          _mm256_loadu_ps(xs + c + 8), b);
+      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+      for (int m = 0; m < M; ++m) {
+        a[m][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs + m * k + c), a[m][0]);
+        a[m][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs + m * k + c + 8), a[m][1]);
+      }
     };
     int64_t c = 0;
-    for (; c + 32 <= whole; c += 32) step(c, acc[0], acc[1]), step(c + 16, acc[2], acc[3]);
-    if (c < whole) step(c, acc[0], acc[1]), c += 16;
-    const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    for (; c < k; ++c) sum += xs[c] * static_cast<float>(row[c]);
-    if (bias != nullptr) sum += static_cast<float>(bias[n]);
-    y[n] = static_cast<c10::BFloat16>(sum);
+    for (; c + 16 * S <= whole; c += 16 * S)
+      for (int s = 0; s < S; ++s) step(c + 16 * s, acc[s]);
+    if (c < whole) step(c, acc[0]), c += 16;
+    for (int m = 0; m < M; ++m) {
+      __m256 v = _mm256_add_ps(acc[0][m][0], acc[0][m][1]);
+      if constexpr (S == 2) v = _mm256_add_ps(v, _mm256_add_ps(acc[1][m][0], acc[1][m][1]));
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      for (int64_t r = c; r < k; ++r) sum += xs[m * k + r] * static_cast<float>(row[r]);
+      if (bias != nullptr) sum += static_cast<float>(bias[n]);
+      y[m * ys + n] = static_cast<c10::BFloat16>(sum);
+    }
   }
 }
 
@@ -644,17 +654,22 @@ void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
   const float* xp = xf.data_ptr<float>();
 #if F32_VECTORS && !BF16_VECTORS
   if constexpr (std::is_same<T, c10::BFloat16>::value) {
-    if (m == 1 && y.stride(1) == 1) {
-      std::vector<float> xs(k);
-      bf16_x_order(xp, k, xs.data());
-      const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
-      T* yp = y.data_ptr<T>();
-      const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k * 2));
-      at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-        gemv_bf16_rows(xs.data(), w.data_ptr<T>(), k, n0, n1, bp, yp);
-      });
-      return;
-    }
+    std::vector<float> xs(m * k);
+    for (int64_t r = 0; r < m; ++r) bf16_x_order(xp + r * k, k, xs.data() + r * k);
+    const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    const int64_t ys = y.stride(0);
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k * 2));
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      const T* wp = w.data_ptr<T>();
+      switch (m) {
+        case 1: return gemv_bf16_rows<1>(xs.data(), wp, k, n0, n1, bp, yp, ys);
+        case 2: return gemv_bf16_rows<2>(xs.data(), wp, k, n0, n1, bp, yp, ys);
+        case 3: return gemv_bf16_rows<3>(xs.data(), wp, k, n0, n1, bp, yp, ys);
+        default: return gemv_bf16_rows<4>(xs.data(), wp, k, n0, n1, bp, yp, ys);
+      }
+    });
+    return;
   }
 #endif
   const T* wp = w.data_ptr<T>();
@@ -686,6 +701,54 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
   with_float_type(x.scalar_type(), "gemv", [&](auto t) { gemv_impl<decltype(t)>(x, w, b, y); });
   return y;
+}
+
+// x W^T + b for a float weight in rows, as the layers compute it past the GEMV's one row: ATen's
+// product, except bf16 on a build without AVX-512. There the CPU has no bf16 instructions and
+// ATen's bf16 GEMM widens value by value in its inner loop (SmolLM2's 256-token prefill took 7x
+// fp32's time), so up to kBf16GemvRows rows run the bf16 GEMV four rows a pass, each pass
+// streaming the weight again (on SmolLM2's gate_up and down, 2 threads of a Zen 3: 3.2-6.4x
+// ATen's at 2-96 rows, ahead of the widening below up to about 100), and more widen the weight
+// to fp32 a slab at a time for ATen's fp32 GEMM, rounding the result once (4.8-6.3x at 129-256).
+constexpr int64_t kBf16GemvRows = 64;
+constexpr int64_t kWidenSlabBytes = 4 << 20;  // fp32 weight rows widened at a time
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::empty({m, n}, xf.options());
+  const int64_t slab = std::max<int64_t>(16, kWidenSlabBytes / (4 * std::max<int64_t>(1, k)));
+  at::Tensor wf = at::empty({std::min(slab, n), k}, xf.options());
+  for (int64_t n0 = 0; n0 < n; n0 += slab) {
+    const int64_t rows = std::min(slab, n - n0);
+    at::Tensor part = wf.narrow(0, 0, rows);
+    part.copy_(w.narrow(0, n0, rows));
+    y.narrow(1, n0, rows).copy_(at::mm(xf, part.t()));
+  }
+  if (bias != nullptr) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias) {
+#if F32_VECTORS && !BF16_VECTORS
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+                    (!bias.has_value() || bias->scalar_type() == at::kBFloat16);
+  if (bf16 && x.dim() == 2 && w.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() &&
+      x.size(1) == w.size(1) && x.size(0) > 0 &&
+      (!bias.has_value() || (bias->is_contiguous() && bias->numel() == w.size(0)))) {
+    const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+    if (x.size(0) > kBf16GemvRows) return widened_linear(x, w, b);
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    for (int64_t r = 0; r < x.size(0); r += kGemvMaxRows) {
+      const int64_t rows = std::min(kGemvMaxRows, x.size(0) - r);
+      at::Tensor part = y.narrow(0, r, rows);
+      gemv_impl<c10::BFloat16>(x.narrow(0, r, rows), w, b, part);
+    }
+    return y;
+  }
+#endif
+  return at::linear(x, w, bias);
 }
 
 // ---- the decoder layers of a model in one call ---------------------------------------------
@@ -810,7 +873,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
     if (x.size(0) <= kGemvUseRows && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16))
       return gemv(x, w, b);  // what LinearBase.matmul runs at these rows
-    return at::linear(x, w, b);
+    return float_linear(x, w, b);
   }
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor y = int8_linear_op().call(xf, w, rowsum, scale, levels, c10::nullopt, c10::nullopt);
@@ -1122,6 +1185,7 @@ TORCH_LIBRARY(pagedllm_fused, m) {
         "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("float_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>,
@@ -1139,5 +1203,6 @@ TORCH_LIBRARY_IMPL(pagedllm_fused, CPU, m) {
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("decoder_layers", &decoder_layers);
   m.impl("gemv", &gemv);
+  m.impl("float_linear", &float_linear);
   m.impl("argmax_rows", &argmax_rows);
 }
