@@ -1,9 +1,10 @@
 """The C++ fused ops for CPU (csrc/fused_ops.cpp), built on first use (pagedllm.cpp_build).
 
 Residual add + RMSNorm (plain or offset), RMSNorm alone, the rotary embedding of q and k,
-SiLU / GELU(tanh) and mul, and a one-row GEMV: each one pass and one parallel region in place
-of several small ATen ops (each a pass over memory and a thread-pool round trip). The layers'
-``forward_cpu`` (layers/custom_op.py) calls these; the runner's fused decoder
+SiLU / GELU(tanh) and mul, a one-row GEMV: each one pass and one parallel region in place of
+several small ATen ops (each a pass over memory and a thread-pool round trip); and the float
+product past the GEMV's row (float_linear: ATen's but for bf16 without bf16 instructions).
+The layers' ``forward_cpu`` (layers/custom_op.py) calls these; the runner's fused decoder
 (worker/cpu_decoder.py) calls the same kernels from C++ for every layer of a step. Which of
 them runs is decided when a layer is built, never here.
 """
