@@ -149,6 +149,21 @@ float sum_of_squares(const T* r, int64_t dim) {
   return sum;
 }
 
+// rr = T(x + rr) in place: the residual stream's add, rounded as the torch path rounds it.
+template <typename T>
+inline void add_into(const T* xr, T* rr, int64_t dim) {
+  int64_t i = 0;
+#if F32_VECTORS && !BF16_VECTORS
+  if constexpr (std::is_same_v<T, c10::BFloat16>)  // the same bits, 8 lanes at a time
+    for (; i + 8 <= dim; i += 8)
+      bf16x8_store(rr + i, _mm256_add_ps(bf16x8_load(xr + i), bf16x8_load(rr + i)));
+#endif
+  for (; i < dim; ++i)
+    rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+}
+
+// residual += x, then x = the norm of the new residual: the add and the sums of squares in two
+// passes over a row that stays in L1, so the sums are sum_of_squares' own.
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                        double eps, bool offset) {
@@ -161,39 +176,8 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
     for (int64_t r = begin; r < end; ++r) {
       T* xr = xp + r * xs;
       T* rr = rp + r * rs;
-      float lanes[16] = {0.f};  // 16 partial sums: a reduction the compiler vectorizes
-      int64_t i = 0;
-#if F32_VECTORS && !BF16_VECTORS
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same sums, 8 lanes at a time
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-        for (; i + 16 <= dim; i += 16) {
-          const __m256 a = bf16x8_rounded(_mm256_add_ps(bf16x8_load(xr + i), bf16x8_load(rr + i)));
-          const __m256 b =
-              bf16x8_rounded(_mm256_add_ps(bf16x8_load(xr + i + 8), bf16x8_load(rr + i + 8)));
-          bf16x8_store(rr + i, a), bf16x8_store(rr + i + 8, b);  // bf16 values: stored exactly
-          lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
-          hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
-        }
-        _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
-      }
-#endif
-      for (; i + 16 <= dim; i += 16) {
-        for (int j = 0; j < 16; ++j) {
-          T s = static_cast<T>(static_cast<float>(xr[i + j]) + static_cast<float>(rr[i + j]));
-          rr[i + j] = s;
-          float f = static_cast<float>(s);
-          lanes[j] += f * f;
-        }
-      }
-      for (; i < dim; ++i) {
-        T s = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-        rr[i] = s;
-        float f = static_cast<float>(s);
-        lanes[0] += f * f;
-      }
-      float sum = 0.f;
-      for (int j = 0; j < 16; ++j) sum += lanes[j];
-      scale_row(rr, xr, wp, dim, sum, eps, offset);
+      add_into(xr, rr, dim);
+      scale_row(rr, xr, wp, dim, sum_of_squares(rr, dim), eps, offset);
     }
   });
 }
@@ -633,7 +617,7 @@ void gemv_bf16_rows(const float* xs, const c10::BFloat16* w, int64_t k, int64_t 
   }
 }
 
-// x [k] in the order gemv_bf16_pass reads it: per 16 features, 0-3 8-11 4-7 12-15 (the
+// x [k] in the order gemv_bf16_rows reads it: per 16 features, 0-3 8-11 4-7 12-15 (the
 // rest, past the last 16, as it is).
 void bf16_x_order(const float* x, int64_t k, float* xs) {
   const int64_t whole = k / 16 * 16;
