@@ -108,7 +108,9 @@ def ops_of_tree(tree: Path, source: str, library: str, namespace: str, cflags: l
                 headers: tuple[str, ...] = ()):  # noqa: ANN201  # fmt: skip
     """torch.ops.<namespace>: another tree's C++ op library (`source` under it, registered as
     TORCH_LIBRARY(<library>, ...)) built under that namespace, so that its ops and this tree's
-    run side by side in one process. headers: files beside the source that it includes."""
+    run side by side in one process: its registrations (TORCH_LIBRARY, TORCH_LIBRARY_IMPL) and
+    the names of its classes move to the namespace. headers: files beside the source that it
+    includes."""
     import torch
 
     from pagedllm.cpp_build import load_cpp_ops
@@ -121,7 +123,9 @@ def ops_of_tree(tree: Path, source: str, library: str, namespace: str, cflags: l
     for header in headers:
         shutil.copy(tree / Path(source).parent / header, folder)
     copy = folder / f"{namespace}.cpp"
-    copy.write_text(text.replace(registration, f"TORCH_LIBRARY({namespace},"))
+    for kind in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL(", "torch.classes."):
+        text = text.replace(f"{kind}{library}", f"{kind}{namespace}")
+    copy.write_text(text)
     load_cpp_ops(copy, cflags, namespace, f"{tree}'s {Path(source).name}")
     return getattr(torch.ops, namespace)
 

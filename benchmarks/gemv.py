@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import BENCH_125M, cpu_flags, load_average, machine  # noqa: E402
+from common import BENCH_125M, cpu_flags, load_average, machine, ops_of_tree  # noqa: E402
 from compare import linear_shapes  # noqa: E402
 
 from pagedllm.layers import cpu_fused  # noqa: E402
@@ -37,15 +36,12 @@ SHAPES = {
 
 def gemv_of_tree(tree: Path):  # noqa: ANN201
     """The gemv op of another tree's fused ops, built under its own namespace (the flags
-    cpu_fused.load builds with; every name of the library renamed, its class's included)."""
-    from pagedllm.cpp_build import arch_flags, load_cpp_ops
+    cpu_fused.load builds with)."""
+    from pagedllm.cpp_build import arch_flags
 
-    text = (tree / "src/pagedllm/layers/csrc/fused_ops.cpp").read_text()
-    copy = Path(tempfile.mkdtemp()) / "fused_against.cpp"
-    copy.write_text(text.replace("pagedllm_fused", "fused_against"))
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *arch_flags()]
-    load_cpp_ops(copy, flags, "fused_against", f"{tree}'s fused_ops.cpp")
-    return torch.ops.fused_against.gemv
+    source = "src/pagedllm/layers/csrc/fused_ops.cpp"
+    return ops_of_tree(tree, source, "pagedllm_fused", "fused_against", flags).gemv
 
 
 def per_step(products: list, fn) -> float:  # noqa: ANN001
