@@ -224,13 +224,16 @@ def test_silu_and_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_loop(dt
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("k", [200, 208, 576])  # bf16 at one row on AVX2: 32s, a 16, the rest
-def test_gemv_matches_torch(dtype, rows, bias, k) -> None:
+@pytest.mark.parametrize("n", [70, 1500])  # one chunk of rows; chunks on every thread
+def test_gemv_matches_torch(dtype, rows, bias, k, n) -> None:
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, k, dtype=dtype), torch.randn(70, k, dtype=dtype)
-    b = torch.randn(70, dtype=dtype) if bias else None
+    # x's rows apart in memory (a slice of wider rows): the kernel copies x by its row stride
+    x = torch.randn(rows, k + 24, dtype=dtype)[:, :k]
+    w = torch.randn(n, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
     got = cpu_fused.gemv(x, w, b)
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == dtype and got.shape == (rows, 70)
+    assert got.dtype == dtype and got.shape == (rows, n)
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
     torch.testing.assert_close(got.float(), want, **tol)
 

@@ -1,10 +1,11 @@
 // Fused ops of the decoder layers for CPU. Residual add + RMSNorm (plain or offset), RMSNorm
-// alone, the rotary embedding of q and k, and SiLU-and-mul / GELU(tanh)-and-mul: each one pass and one parallel region in place of the five to
-// fifteen small ATen ops (each its own pass over memory and its own thread-pool round trip)
-// of the torch path. The arithmetic follows the torch path step by step, rounding to the
-// tensor dtype where it does (built with -ffp-contract=off, so no FMA changes a rounding);
-// only the order of the RMS sum differs from ATen's reduction. Then a GEMV for one-row float
-// products, and decoder_layers: every layer of a step in one call (see there).
+// alone, the rotary embedding of q and k, and SiLU-and-mul / GELU(tanh)-and-mul: each one
+// pass and one parallel region in place of the five to fifteen small ATen ops (each its own
+// pass over memory and its own thread-pool round trip) of the torch path. The arithmetic
+// follows the torch path step by step, rounding to the tensor dtype where it does (built with
+// -ffp-contract=off, so no FMA changes a rounding); only the order of the RMS sum differs from
+// ATen's reduction. Then a GEMV for one-row float products, and decoder_layers: every layer of
+// a step in one call (see there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -12,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "balanced_for.h"
 
 #include <cmath>
 #include <algorithm>
@@ -571,30 +574,52 @@ void gemv_rows(const float* xf, const T* w, int64_t k, int64_t n0, int64_t n1, c
 }
 
 #if F32_VECTORS && !BF16_VECTORS
-// M rows of x (up to 4) against bf16 weight rows [n0, n1) with AVX2, a weight row at a time
-// (the rows are contiguous, so each thread reads one stream; four weight rows at once read
-// slower from memory). A bf16 is the high half of its fp32, so 16 of them widen in two unpacks
-// with zeros; the unpacks take features 0-3 and 8-11 into one vector and 4-7 and 12-15 into
-// the other, and xs holds each row of x in that order (bf16_x_order). One row of x keeps two
-// sets of sums (alternate 16s) so that four FMA chains hide the latency. gemv_rows, widening
-// through the compiler's conversion, was compute-bound: SmolLM2's bf16 products from the
-// caches of a Zen 3 core at 19-22 GB/s, here 35-40; from memory on its two cores 24.3 -> 28.1
-// GB/s, and the model's bf16 decode 1.14-1.18x (benchmarks/gemv.py, batch1.py).
-template <int M>
-void gemv_bf16_rows(const float* xs, const c10::BFloat16* w, int64_t k, int64_t n0, int64_t n1,
-                    const c10::BFloat16* bias, c10::BFloat16* y, int64_t ys) {
+// M rows of x (up to 4) against weight rows [n0, n1) of fp32 or bf16 with AVX2, a weight row at
+// a time (the rows are contiguous, so each thread reads one stream; four weight rows at once
+// read slower from memory). A bf16 is the high half of its fp32, so 16 of them widen in two
+// unpacks with zeros; the unpacks take features 0-3 and 8-11 into one vector and 4-7 and 12-15
+// into the other, and xs holds each row of x in that order (x_order). One row of x keeps two
+// sets of sums (alternate 16s) so that four FMA chains hide the latency, and a row's sums meet
+// in a tree (gemv_rows, the compiler's loop of the other builds, adds its 16 one by one).
+//
+// bf16 weights are prefetched 1 KB ahead, a cache line at a time: the hardware prefetcher
+// alone left the loads waiting. fp32 ones read twice the bytes per FMA and are not (1 KB ahead
+// was slower than none, 256-512 B level with none). SmolLM2's one-row products in a decode
+// step's order on the two cores of a Zen 3, this kernel / the one before (gemv_rows for fp32;
+// for bf16 this one without the prefetch and with x widened through two tensors a call),
+// alternating in one process (benchmarks/gemv.py --against): bf16 1.12-1.18x (to 29-32 GB/s),
+// fp32 1.04-1.07x (30-34 GB/s).
+template <typename T>
+constexpr int64_t kGemvAheadBytes = sizeof(T) == 2 ? 1024 : 0;
+
+inline void widen16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+}
+
+inline void widen16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+template <typename T, int M>
+void gemv_avx2_rows(const float* xs, const T* w, int64_t k, int64_t n0, int64_t n1,
+                    const T* bias, T* y, int64_t ys) {
   constexpr int S = M == 1 ? 2 : 1;
-  const __m256i zero = _mm256_setzero_si256();
+  constexpr int64_t kLine = 64 / sizeof(T);  // weights a cache line
   const int64_t whole = k / 16 * 16;
+  constexpr int64_t ahead = kGemvAheadBytes<T>;
   for (int64_t n = n0; n < n1; ++n) {
-    const c10::BFloat16* row = w + n * k;
+    const T* row = w + n * k;
     __m256 acc[S][M][2];
     for (int s = 0; s < S; ++s)
       for (int m = 0; m < M; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
     auto step = [&](int64_t c, __m256(&a)[M][2]) __attribute__((always_inline)) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+      if (ahead > 0 && c % kLine == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(row + c) + ahead, _MM_HINT_T0);
+      __m256 lo, hi;
+      widen16(row + c, lo, hi);
       for (int m = 0; m < M; ++m) {
         a[m][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs + m * k + c), a[m][0]);
         a[m][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs + m * k + c + 8), a[m][1]);
@@ -612,15 +637,16 @@ void gemv_bf16_rows(const float* xs, const c10::BFloat16* w, int64_t k, int64_t 
       float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
       for (int64_t r = c; r < k; ++r) sum += xs[m * k + r] * static_cast<float>(row[r]);
       if (bias != nullptr) sum += static_cast<float>(bias[n]);
-      y[m * ys + n] = static_cast<c10::BFloat16>(sum);
+      y[m * ys + n] = static_cast<T>(sum);
     }
   }
 }
 
-// x [k] in the order gemv_bf16_rows reads it: per 16 features, 0-3 8-11 4-7 12-15 (the
-// rest, past the last 16, as it is).
-void bf16_x_order(const float* x, int64_t k, float* xs) {
-  const int64_t whole = k / 16 * 16;
+// A row x [k] as gemv_avx2_rows reads it against bf16 weights: per 16 features, 0-3 8-11 4-7
+// 12-15 (the rest, past the last 16, as it is); against fp32 ones, as it is.
+template <typename T>
+void x_order(const T* x, int64_t k, float* xs, bool bf16_weights) {
+  const int64_t whole = bf16_weights ? k / 16 * 16 : 0;
   for (int64_t c = 0; c < whole; c += 16)
     for (int i = 0; i < 4; ++i) {
       xs[c + i] = x[c + i], xs[c + 4 + i] = x[c + 8 + i];
@@ -630,31 +656,34 @@ void bf16_x_order(const float* x, int64_t k, float* xs) {
 }
 #endif
 
+// Rows [n0, n1) of y = x W^T + b: the AVX2 kernel where the build has it, else the compiler's.
+template <typename T, int M>
+void gemv_kernel(const float* xs, const T* w, int64_t k, int64_t n0, int64_t n1, const T* bias,
+                 T* y, int64_t ys) {
+#if F32_VECTORS && !BF16_VECTORS
+  gemv_avx2_rows<T, M>(xs, w, k, n0, n1, bias, y, ys);
+#else
+  gemv_rows<T, M>(xs, w, k, n0, n1, bias, y, ys);
+#endif
+}
+
 template <typename T>
 void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+#if F32_VECTORS && !BF16_VECTORS
+  // x in fp32 and gemv_avx2_rows' order, in a buffer the calls of this thread reuse (a
+  // widening copy and a reordered one as tensors cost more than a small layer's slice of a
+  // product); the workers' own thread_local buffers are not this one
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < m * k) buffer.resize(m * k);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r)
+    x_order(xp + r * x.stride(0), k, buffer.data() + r * k, std::is_same_v<T, c10::BFloat16>);
+  const float* xs = buffer.data();
+#else
   // x in float32, [m][k] contiguous (a copy unless x is float32 and contiguous already)
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-#if F32_VECTORS && !BF16_VECTORS
-  if constexpr (std::is_same<T, c10::BFloat16>::value) {
-    std::vector<float> xs(m * k);
-    for (int64_t r = 0; r < m; ++r) bf16_x_order(xp + r * k, k, xs.data() + r * k);
-    const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
-    T* yp = y.data_ptr<T>();
-    const int64_t ys = y.stride(0);
-    const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k * 2));
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      const T* wp = w.data_ptr<T>();
-      switch (m) {
-        case 1: return gemv_bf16_rows<1>(xs.data(), wp, k, n0, n1, bp, yp, ys);
-        case 2: return gemv_bf16_rows<2>(xs.data(), wp, k, n0, n1, bp, yp, ys);
-        case 3: return gemv_bf16_rows<3>(xs.data(), wp, k, n0, n1, bp, yp, ys);
-        default: return gemv_bf16_rows<4>(xs.data(), wp, k, n0, n1, bp, yp, ys);
-      }
-    });
-    return;
-  }
+  const float* xs = xf.data_ptr<float>();
 #endif
   const T* wp = w.data_ptr<T>();
   const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
@@ -662,12 +691,12 @@ void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
   const int64_t ys = y.stride(0);
   // Enough rows per task that a task streams at least ~64 KiB of weight.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k * sizeof(T)));
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+  pagedllm_cpu::balanced_for(n, grain, [&](int64_t n0, int64_t n1) {
     switch (m) {
-      case 1: gemv_rows<T, 1>(xp, wp, k, n0, n1, bp, yp, ys); break;
-      case 2: gemv_rows<T, 2>(xp, wp, k, n0, n1, bp, yp, ys); break;
-      case 3: gemv_rows<T, 3>(xp, wp, k, n0, n1, bp, yp, ys); break;
-      default: gemv_rows<T, 4>(xp, wp, k, n0, n1, bp, yp, ys); break;
+      case 1: return gemv_kernel<T, 1>(xs, wp, k, n0, n1, bp, yp, ys);
+      case 2: return gemv_kernel<T, 2>(xs, wp, k, n0, n1, bp, yp, ys);
+      case 3: return gemv_kernel<T, 3>(xs, wp, k, n0, n1, bp, yp, ys);
+      default: return gemv_kernel<T, 4>(xs, wp, k, n0, n1, bp, yp, ys);
     }
   });
 }
@@ -724,6 +753,10 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w,
     const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
     if (x.size(0) > kBf16GemvRows) return widened_linear(x, w, b);
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    if (x.size(0) <= kGemvMaxRows) {
+      gemv_impl<c10::BFloat16>(x, w, b, y);
+      return y;
+    }
     for (int64_t r = 0; r < x.size(0); r += kGemvMaxRows) {
       const int64_t rows = std::min(kGemvMaxRows, x.size(0) - r);
       at::Tensor part = y.narrow(0, r, rows);
