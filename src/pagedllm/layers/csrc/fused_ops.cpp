@@ -587,8 +587,8 @@ void gemv_rows(const float* xf, const T* w, int64_t k, int64_t n0, int64_t n1, c
 // was slower than none, 256-512 B level with none). SmolLM2's one-row products in a decode
 // step's order on the two cores of a Zen 3, this kernel / the one before (gemv_rows for fp32;
 // for bf16 this one without the prefetch and with x widened through two tensors a call),
-// alternating in one process (benchmarks/gemv.py --against): bf16 1.12-1.18x (to 29-32 GB/s),
-// fp32 1.04-1.07x (30-34 GB/s).
+// alternating in one process (benchmarks/gemv.py --against), five runs: bf16 1.10-1.18x (to
+// 28.5-32 GB/s), fp32 1.01-1.07x (30-34 GB/s); SmolLM2's bf16 decode 1.03-1.22x (batch1.py).
 template <typename T>
 constexpr int64_t kGemvAheadBytes = sizeof(T) == 2 ? 1024 : 0;
 
