@@ -642,11 +642,11 @@ void gemv_avx2_rows(const float* xs, const T* w, int64_t k, int64_t n0, int64_t 
   }
 }
 
-// A row x [k] as gemv_avx2_rows reads it against bf16 weights: per 16 features, 0-3 8-11 4-7
-// 12-15 (the rest, past the last 16, as it is); against fp32 ones, as it is.
+// A row x [k] in fp32 as gemv_avx2_rows reads it against weights of x's dtype: for bf16, per
+// 16 features, 0-3 8-11 4-7 12-15 (the rest, past the last 16, as it is); for fp32, as it is.
 template <typename T>
-void x_order(const T* x, int64_t k, float* xs, bool bf16_weights) {
-  const int64_t whole = bf16_weights ? k / 16 * 16 : 0;
+void x_order(const T* x, int64_t k, float* xs) {
+  const int64_t whole = std::is_same_v<T, c10::BFloat16> ? k / 16 * 16 : 0;
   for (int64_t c = 0; c < whole; c += 16)
     for (int i = 0; i < 4; ++i) {
       xs[c + i] = x[c + i], xs[c + 4 + i] = x[c + 8 + i];
@@ -667,6 +667,8 @@ void gemv_kernel(const float* xs, const T* w, int64_t k, int64_t n0, int64_t n1,
 #endif
 }
 
+// y = x W^T + b, kGemvMaxRows rows of x a pass over the weight (the layers' bf16 products past
+// one row, float_linear, take several passes).
 template <typename T>
 void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
@@ -678,7 +680,7 @@ void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
   if (int64_t(buffer.size()) < m * k) buffer.resize(m * k);
   const T* xp = x.data_ptr<T>();
   for (int64_t r = 0; r < m; ++r)
-    x_order(xp + r * x.stride(0), k, buffer.data() + r * k, std::is_same_v<T, c10::BFloat16>);
+    x_order(xp + r * x.stride(0), k, buffer.data() + r * k);
   const float* xs = buffer.data();
 #else
   // x in float32, [m][k] contiguous (a copy unless x is float32 and contiguous already)
@@ -691,14 +693,18 @@ void gemv_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
   const int64_t ys = y.stride(0);
   // Enough rows per task that a task streams at least ~64 KiB of weight.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k * sizeof(T)));
-  pagedllm_cpu::balanced_for(n, grain, [&](int64_t n0, int64_t n1) {
-    switch (m) {
-      case 1: return gemv_kernel<T, 1>(xs, wp, k, n0, n1, bp, yp, ys);
-      case 2: return gemv_kernel<T, 2>(xs, wp, k, n0, n1, bp, yp, ys);
-      case 3: return gemv_kernel<T, 3>(xs, wp, k, n0, n1, bp, yp, ys);
-      default: return gemv_kernel<T, 4>(xs, wp, k, n0, n1, bp, yp, ys);
-    }
-  });
+  for (int64_t r = 0; r < m; r += kGemvMaxRows) {
+    const float* xr = xs + r * k;
+    T* yr = yp + r * ys;
+    pagedllm_cpu::balanced_for(n, grain, [&](int64_t n0, int64_t n1) {
+      switch (std::min(kGemvMaxRows, m - r)) {
+        case 1: return gemv_kernel<T, 1>(xr, wp, k, n0, n1, bp, yr, ys);
+        case 2: return gemv_kernel<T, 2>(xr, wp, k, n0, n1, bp, yr, ys);
+        case 3: return gemv_kernel<T, 3>(xr, wp, k, n0, n1, bp, yr, ys);
+        default: return gemv_kernel<T, 4>(xr, wp, k, n0, n1, bp, yr, ys);
+      }
+    });
+  }
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -753,15 +759,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w,
     const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
     if (x.size(0) > kBf16GemvRows) return widened_linear(x, w, b);
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-    if (x.size(0) <= kGemvMaxRows) {
-      gemv_impl<c10::BFloat16>(x, w, b, y);
-      return y;
-    }
-    for (int64_t r = 0; r < x.size(0); r += kGemvMaxRows) {
-      const int64_t rows = std::min(kGemvMaxRows, x.size(0) - r);
-      at::Tensor part = y.narrow(0, r, rows);
-      gemv_impl<c10::BFloat16>(x.narrow(0, r, rows), w, b, part);
-    }
+    gemv_impl<c10::BFloat16>(x, w, b, y);
     return y;
   }
 #endif
