@@ -48,6 +48,7 @@ def test_kernel_matches_the_dequantized_product_on_every_isa(bits, m, k, n, grou
 
 
 ROW_INT8 = weight_only.load() and bool(torch.ops.pagedllm_wo.int8_activations())
+BEST_ISA = torch.ops.pagedllm_wo.isa() if weight_only.load() else "none"
 
 
 @pytest.mark.skipif(not ROW_INT8, reason="the row kernel's int8 x needs AVX2")
@@ -82,7 +83,7 @@ def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, 
             assert rounding > 30 * (residual - exact).abs().max()
 
 
-@pytest.mark.skipif(not ROW_INT8, reason="x on int16 runs on AVX2")
+@pytest.mark.skipif(not ROW_INT8 or BEST_ISA != "avx2", reason="x on int16 where AVX2 is best")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("k", "n", "group"), [(64, 33, 32), (576, 100, 32), (1536, 40, 1536),
                                                (288, 9, 96)])  # fmt: skip
@@ -90,7 +91,8 @@ def test_many_rows_on_int16_x_stay_within_its_rounding_and_do_not_depend_on_the_
     bits, k, n, group
 ):
     """Beyond 4 rows both int8 forms ("int8", "int8_residual") round each row of x to int16
-    per block of 32 and multiply the codes in int16 panels: within that rounding's
+    per block of 32 and multiply the codes in int16 panels (where AVX2 is the best instruction
+    set; the next test has AVX-512's): within that rounding's
     bound (half a step of the block's largest |x| / 32767) of the float64 product, with int4
     offsets and wider groups, a partial last panel (n % 16) and a partial tile of 4 rows. A
     row's result is the same bits in any batch and at any place in it."""
@@ -110,6 +112,24 @@ def test_many_rows_on_int16_x_stay_within_its_rounding_and_do_not_depend_on_the_
         for rows in (slice(0, 5), slice(3, 14), slice(20, 41)):
             alone = weight_only.kernel_linear(x[rows], packed, None, form)
             assert torch.equal(alone, batch[rows]), (form, rows)
+
+
+@pytest.mark.skipif(not ROW_INT8 or BEST_ISA != "avx512", reason="an AVX-512 CPU's rows")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_forms_beyond_their_rows_take_fp32_x_on_avx512(bits):
+    """Where AVX-512 is the best instruction set, codes by rows keep fp32 x beyond the int8
+    forms' rows (4 for "int8", 2 for "int8_residual"): the same bits as the float form at 5,
+    16 and 41 rows, where within them x is rounded (and the result differs)."""
+    torch.manual_seed(bits)
+    packed = weight_only.quantize(torch.randn(40, 576), bits, 32)
+    for form, rows in (("int8", 4), ("int8_residual", 2)):
+        x = torch.randn(rows, 576)
+        assert not torch.equal(weight_only.kernel_linear(x, packed, None, form),
+                               weight_only.kernel_linear(x, packed, None, None)), form  # fmt: skip
+        for m in (5, 16, 41):
+            x = torch.randn(m, 576)
+            want = weight_only.kernel_linear(x, packed, None, None)
+            assert torch.equal(weight_only.kernel_linear(x, packed, None, form), want), (form, m)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -136,20 +136,21 @@ def test_greedy_chat_matches_transformers_under_the_top5_criterion(llm, hf_token
 
 
 def test_bf16_decode_matches_transformers_bf16_under_the_top5_criterion(hf_tokenizer, monkeypatch):
-    """The folder in bf16: decode steps run bf16 one-row products (the C++ GEMV, the LM head's
-    counted here) against transformers in bf16, under the same criterion."""
+    """The folder in bf16: decode steps run bf16 one-row products (the C++ GEMV, or the panels
+    where the CPU has AVX-512; the LM head's counted here) against transformers in bf16, under
+    the same criterion."""
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.layers import cpu_fused
+    from pagedllm.layers import cpu_fused, panel_gemm
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder(), dtype=torch.bfloat16)
     llm = LLM(model=str(smollm2_hf_folder()), dtype="bfloat16", kv_cache_memory_bytes=32 << 20,
               max_model_len=512)  # fmt: skip
     head_rows = []
-    real = cpu_fused.gemv
-    monkeypatch.setattr(
-        cpu_fused, "gemv", lambda x, w, b: head_rows.append(x.dtype) or real(x, w, b)
-    )
+    in_panels = llm.llm_engine.model.lm_head.weight_panels is not None
+    module, name = (panel_gemm, "linear") if in_panels else (cpu_fused, "gemv")
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, w, b: head_rows.append(x.dtype) or real(x, w, b))
     matched = _chat_prompts_matched(llm, hf, hf_tokenizer, ("pagedllm bf16", "transformers bf16"))
     assert head_rows and set(head_rows) == {torch.bfloat16}
     assert sum(matched) >= len(CHAT_PROMPTS) * 6, matched

@@ -15,8 +15,9 @@
 // bf16 K/V on a CPU with AVX512-BF16 (checked at run time) take a path of their own, with
 // both products on vdpbf16ps (two bf16 products summed into an fp32 lane): scores as 16 dot
 // products of one query row with 16 keys, reduced together (a transpose-add tree); P @ V with
-// the probabilities rounded to bf16 pairs of keys, times V rows of two keys interleaved
-// (flash-attn's bf16 P on GPUs).
+// the probabilities in two bf16 parts (rounded, then what the rounding left: about 16 bits,
+// where flash-attn's bf16 P on GPUs keeps 8), each in pairs of keys, times V rows of two keys
+// interleaved.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -241,6 +242,7 @@ struct Scratch {
   std::vector<int64_t> pos;            // query position of each row
   std::vector<uint16_t> qb;            // bf16-dot path: the rows' queries as stored (bf16)
   std::vector<uint32_t> pb;            // bf16-dot path: probabilities, bf16 pairs of keys
+  std::vector<uint32_t> pr;            // and what their rounding to bf16 left, the same way
   std::vector<uint32_t> kt, vt;        // bf16-dot path, many rows: one head's K, V rearranged
   bool first = true;                   // no item done yet (none prefetched the next one)
 };
@@ -931,15 +933,31 @@ BF16_DOT void gemm_score_rows(const uint16_t* q, int rows, int dim, const uint32
     });
 }
 
-// A row's probabilities as bf16 pairs of keys: pair j / 2 holds keys j (low half), j + 1.
-BF16_DOT inline void to_pairs(const float* s, int n_pad, uint32_t* pairs) {
+// 16 bf16 as fp32 (each the high half of its fp32).
+BF16_DOT ALWAYS_INLINE __m512 widen_bf16(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// A row's probabilities as bf16 pairs of keys (pair j / 2 holds keys j (low half), j + 1), and
+// in `rest` the same for what that rounding left: P = pairs + rest to about 16 bits, where
+// pairs alone carry 8 (P rounded to bf16 turned SmolLM2's first token of a chat answer).
+BF16_DOT inline void to_pairs(const float* s, int n_pad, uint32_t* pairs, uint32_t* rest) {
   int c = 0;
-  for (; c + 32 <= n_pad; c += 32)
-    _mm512_storeu_si512(pairs + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + 16),
-                                                                     _mm512_loadu_ps(s + c)));
-  if (c < n_pad)  // 16 left (n_pad is a multiple of 16)
-    _mm256_storeu_si256((__m256i*)(pairs + c / 2),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
+  for (; c + 32 <= n_pad; c += 32) {
+    const __m512 a = _mm512_loadu_ps(s + c), b = _mm512_loadu_ps(s + c + 16);
+    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    _mm512_storeu_si512(pairs + c / 2, hi);
+    const __m512 ra = _mm512_sub_ps(a, widen_bf16(_mm512_castsi512_si256(hi)));
+    const __m512 rb = _mm512_sub_ps(b, widen_bf16(_mm512_extracti64x4_epi64(hi, 1)));
+    _mm512_storeu_si512(rest + c / 2, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
+  }
+  if (c < n_pad) {  // 16 left (n_pad is a multiple of 16)
+    const __m512 a = _mm512_loadu_ps(s + c);
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(a);
+    _mm256_storeu_si256((__m256i*)(pairs + c / 2), hi);
+    _mm256_storeu_si256((__m256i*)(rest + c / 2),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(a, widen_bf16(hi))));
+  }
 }
 
 // Where element d of an output row sits in this path's accumulators: per 32 features, the
@@ -953,7 +971,7 @@ inline int dot_pos(int d) {
 // features from d (alpha null: no rescale): the V rows of keys j and j + 1 interleaved
 // (unpack) meet the broadcast pair of their probabilities in one vdpbf16ps per 16 outputs.
 template <int R, int NC>
-BF16_DOT inline void dot_pv(const uint32_t* pairs, int pair_stride,
+BF16_DOT inline void dot_pv(const uint32_t* pairs, const uint32_t* rest, int pair_stride,
                             const c10::BFloat16* const* vrow, int j0, int j1, const float* alpha,
                             float* o, int dim, int d) {
   __m512 acc[R][2 * NC];
@@ -972,7 +990,11 @@ BF16_DOT inline void dot_pv(const uint32_t* pairs, int pair_stride,
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r * pair_stride + j / 2]);
-      for (int k = 0; k < 2 * NC; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, (__m512bh)v[k]);
+      const __m512bh y = (__m512bh)_mm512_set1_epi32((int)rest[r * pair_stride + j / 2]);
+      for (int k = 0; k < 2 * NC; ++k) {
+        acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, (__m512bh)v[k]);
+        acc[r][k] = _mm512_dpbf16_ps(acc[r][k], y, (__m512bh)v[k]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -980,11 +1002,13 @@ BF16_DOT inline void dot_pv(const uint32_t* pairs, int pair_stride,
 }
 
 template <int R>
-BF16_DOT void dot_pv_rows(const uint32_t* pairs, int pair_stride, const c10::BFloat16* const* vrow,
-                          int j0, int j1, const float* alpha, float* o, int dim) {
+BF16_DOT void dot_pv_rows(const uint32_t* pairs, const uint32_t* rest, int pair_stride,
+                          const c10::BFloat16* const* vrow, int j0, int j1, const float* alpha,
+                          float* o, int dim) {
   int d = 0;
-  for (; d + 64 <= dim; d += 64) dot_pv<R, 2>(pairs, pair_stride, vrow, j0, j1, alpha, o, dim, d);
-  if (d < dim) dot_pv<R, 1>(pairs, pair_stride, vrow, j0, j1, alpha, o, dim, d);
+  for (; d + 64 <= dim; d += 64)
+    dot_pv<R, 2>(pairs, rest, pair_stride, vrow, j0, j1, alpha, o, dim, d);
+  if (d < dim) dot_pv<R, 1>(pairs, rest, pair_stride, vrow, j0, j1, alpha, o, dim, d);
 }
 
 // Many rows: the V rows of each pair of keys interleaved once per tile, as dot_pv's unpack
@@ -1002,8 +1026,9 @@ BF16_DOT inline void interleave_values(const c10::BFloat16* const* vrow, int n_p
 }
 
 template <int R, int NZ>
-BF16_DOT inline void gemm_pv(const uint32_t* pairs, int pair_stride, const uint32_t* vt,
-                             int n_pad, const float* alpha, float* o, int dim, int d) {
+BF16_DOT inline void gemm_pv(const uint32_t* pairs, const uint32_t* rest, int pair_stride,
+                             const uint32_t* vt, int n_pad, const float* alpha, float* o, int dim,
+                             int d) {
   __m512 acc[R][NZ];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < NZ; ++k)
@@ -1015,7 +1040,11 @@ BF16_DOT inline void gemm_pv(const uint32_t* pairs, int pair_stride, const uint3
       v[k] = (__m512bh)_mm512_loadu_si512(vt + (int64_t)(j / 2) * dim + d + 16 * k);
     for (int r = 0; r < R; ++r) {
       const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r * pair_stride + j / 2]);
-      for (int k = 0; k < NZ; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, v[k]);
+      const __m512bh y = (__m512bh)_mm512_set1_epi32((int)rest[r * pair_stride + j / 2]);
+      for (int k = 0; k < NZ; ++k) {
+        acc[r][k] = _mm512_dpbf16_ps(acc[r][k], x, v[k]);
+        acc[r][k] = _mm512_dpbf16_ps(acc[r][k], y, v[k]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -1024,15 +1053,17 @@ BF16_DOT inline void gemm_pv(const uint32_t* pairs, int pair_stride, const uint3
 
 // o[r] = o[r] * alpha[r] + P[r] V for `rows` rows over the n_pad keys of vt, in blocks of up
 // to 6 rows x 64 features (32 for the last of a dim that is an odd multiple of 32).
-BF16_DOT void gemm_pv_rows(const uint32_t* pairs, int pair_stride, int rows, const uint32_t* vt,
-                           int n_pad, const float* alpha, float* o, int dim) {
+BF16_DOT void gemm_pv_rows(const uint32_t* pairs, const uint32_t* rest, int pair_stride,
+                           int rows, const uint32_t* vt, int n_pad, const float* alpha, float* o,
+                           int dim) {
   for (int d = 0; d < dim; d += 64)
     row_blocks<6>(rows, [&](int r, auto R) {
       constexpr int RB = decltype(R)::value;
       const uint32_t* pr = pairs + (int64_t)r * pair_stride;
+      const uint32_t* rr = rest + (int64_t)r * pair_stride;
       float* orow = o + (int64_t)r * dim;
-      if (d + 64 <= dim) gemm_pv<RB, 4>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
-      else gemm_pv<RB, 2>(pr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+      if (d + 64 <= dim) gemm_pv<RB, 4>(pr, rr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
+      else gemm_pv<RB, 2>(pr, rr, pair_stride, vt, n_pad, alpha + r, orow, dim, d);
     });
 }
 
@@ -1158,9 +1189,10 @@ AMX_BF16 void amx_score_rows(const uint16_t* q, int rows, int dim, const uint32_
   }
 }
 
-// gemm_pv_rows on tiles: o[r] = o[r] * alpha[r] + P[r] V for rows >= 16. A step takes 32 keys
-// (16 pairs); a tile of an odd number of 16 keys has vt's pairs beyond it zero and pairs'
-// rows readable beyond their last (finite values: they meet the zeros).
+// gemm_pv_rows on tiles: o[r] = o[r] * alpha[r] + P[r] V for rows >= 16 (alpha null: o[r] +
+// P[r] V, for P's second part). A step takes 32 keys (16 pairs); a tile of an odd number of 16
+// keys has vt's pairs beyond it zero and pairs' rows readable beyond their last (finite
+// values: they meet the zeros).
 AMX_BF16 void amx_pv_rows(const uint32_t* pairs, int pair_stride, int rows, const uint32_t* vt,
                           int n_pad, const float* alpha, float* o, int dim) {
   alignas(64) float c[16][64];
@@ -1172,7 +1204,7 @@ AMX_BF16 void amx_pv_rows(const uint32_t* pairs, int pair_stride, int rows, cons
       amx_block_nt(nt, pairs + (int64_t)r0 * pair_stride, pair_stride * 4, vt + d,
                    16 * (int64_t)dim, dim * 4, (n_pad + 31) / 32, c);
       for (int i = done - r0; i < 16; ++i) {
-        const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
+        const __m512 a = _mm512_set1_ps(alpha != nullptr ? alpha[r0 + i] : 1.0f);
         float* orow = o + (int64_t)(r0 + i) * dim + d;
         for (int t = 0; t < nt; ++t)
           _mm512_storeu_ps(orow + 16 * t, _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * t), a,
@@ -1226,8 +1258,10 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
     mask_tile(p, w.pos.data(), rows, j0, n, n_pad, s);
     softmax_rows<Lanes16>(s, rows, n, n_pad, w.m.data() + (int64_t)h * rows,
                           w.l.data() + (int64_t)h * rows, alpha);
-    for (int r = 0; r < rows; ++r)
-      to_pairs(s + (int64_t)r * n_pad, n_pad, w.pb.data() + (h * rows + r) * (int64_t)pair_stride);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t at = (h * rows + r) * (int64_t)pair_stride;
+      to_pairs(s + (int64_t)r * n_pad, n_pad, w.pb.data() + at, w.pr.data() + at);
+    }
   }
   if (rows >= kManyRows) {
     // tiles step 32 keys: an odd 16 meets zero pairs of V
@@ -1238,9 +1272,14 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
       const int64_t row = (int64_t)h * rows;
       interleave_values(vrow + h * n_pad, n_pad, D, w.vt.data());
       const uint32_t* pairs = w.pb.data() + row * pair_stride;
+      const uint32_t* rest = w.pr.data() + row * pair_stride;
       float *alpha = w.alpha.data() + row, *o = w.o.data() + row * D;
-      if (tiles) amx_pv_rows(pairs, pair_stride, rows, w.vt.data(), n_pad, alpha, o, D);
-      else gemm_pv_rows(pairs, pair_stride, rows, w.vt.data(), n_pad, alpha, o, D);
+      if (tiles) {  // P's two parts one after the other
+        amx_pv_rows(pairs, pair_stride, rows, w.vt.data(), n_pad, alpha, o, D);
+        amx_pv_rows(rest, pair_stride, rows, w.vt.data(), n_pad, nullptr, o, D);
+      } else {
+        gemm_pv_rows(pairs, rest, pair_stride, rows, w.vt.data(), n_pad, alpha, o, D);
+      }
     }
     if (tiles) amx_release();
     return;
@@ -1250,7 +1289,8 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
     for (int h = 0; h < H; ++h)
       row_blocks(rows, [&](int r, auto R) {
         const int64_t row = (int64_t)h * rows + r;
-        dot_pv_rows<decltype(R)::value>(w.pb.data() + row * pair_stride, pair_stride,
+        dot_pv_rows<decltype(R)::value>(w.pb.data() + row * pair_stride,
+                                        w.pr.data() + row * pair_stride, pair_stride,
                                         vrow + h * n_pad, c, c1,
                                         c == 0 ? w.alpha.data() + row : nullptr,
                                         w.o.data() + row * D, D);
@@ -1274,6 +1314,7 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   w.l.assign((size_t)H * rows, 0.0f);
   w.s.resize((size_t)H * rows * n_pad);
   w.pb.resize((size_t)H * rows * n_pad / 2 + 16);  // + what AMX tiles read past the last row
+  w.pr.resize(w.pb.size());
   w.alpha.resize((size_t)H * rows);
   w.pos.resize(rows);
   w.koff.resize(2 * n_pad), w.voff.resize(2 * n_pad);
