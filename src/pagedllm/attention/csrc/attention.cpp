@@ -969,7 +969,8 @@ inline int dot_pos(int d) {
 
 // o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] over keys [j0, j1) for R rows, NC chunks of 32
 // features from d (alpha null: no rescale): the V rows of keys j and j + 1 interleaved
-// (unpack) meet the broadcast pair of their probabilities in one vdpbf16ps per 16 outputs.
+// (unpack) meet the broadcast pair of their probabilities in one vdpbf16ps per 16 outputs
+// and part of P (to_pairs).
 template <int R, int NC>
 BF16_DOT inline void dot_pv(const uint32_t* pairs, const uint32_t* rest, int pair_stride,
                             const c10::BFloat16* const* vrow, int j0, int j1, const float* alpha,
