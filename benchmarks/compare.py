@@ -189,21 +189,22 @@ def bandwidth(mib: int = 256) -> dict[str, float]:
     """GB/s: read (sum of a buffer far larger than the caches; the mean over a second, and the
     fastest of 20 calls: what the machine can do when the neighbours let it, the figure a bound
     needs) and copy (bytes read + written)."""
-    src = torch.ones(mib * 2**18)  # fp32
+    src = read_buffer(mib)
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
     read = _per_call(1.0, torch.sum, src)
-    fastest = _fastest_call(20, torch.sum, src)
     copy = _per_call(1.0, dst.copy_, src)
-    return {"read_gb_s": nbytes / read / 1e9, "read_best_gb_s": nbytes / fastest / 1e9,
+    return {"read_gb_s": nbytes / read / 1e9, "read_best_gb_s": fastest_read(src, 20),
             "copy_gb_s": 2 * nbytes / copy / 1e9}  # fmt: skip
 
 
-def read_beside(mib: int = 256, calls: int = 10) -> float:
-    """GB/s of the fastest of `calls` reads of a buffer far larger than the caches, taken
-    beside one batch-1 run (under a second): a shared machine's memory moves from minute to
-    minute, so the readings at a run's start and end need not describe the minutes between."""
-    src = torch.ones(mib * 2**18)  # fp32
+def read_buffer(mib: int = 256) -> torch.Tensor:
+    """fp32 ones far larger than the caches, for the read readings."""
+    return torch.ones(mib * 2**18)
+
+
+def fastest_read(src: torch.Tensor, calls: int) -> float:
+    """GB/s of the fastest of `calls` sums of src (read_buffer)."""
     return src.numel() * 4 / _fastest_call(calls, torch.sum, src) / 1e9
 
 
@@ -561,11 +562,14 @@ def real_model_main(args: argparse.Namespace) -> None:
                       "batch1_rounds": []} for e in engines}  # fmt: skip
 
     # Batch 1: the engines take turns, round after round; each keeps its best (see main()),
-    # with a read bandwidth reading just before and just after it (the faster of the two).
+    # with a read bandwidth reading just before and just after it (the faster of the two,
+    # under a second each): a shared machine's memory moves from minute to minute, so the
+    # readings at the run's start and end need not describe the minutes between.
+    beside = read_buffer()
     for _ in range(rounds):
         for e in engines:
             row = rows[e.label]
-            before = read_beside()
+            before = fastest_read(beside, 10)
             if e.name == "pagedllm":
                 run = pagedllm_batch1(e.model, e.kwargs, batch1_prompt.prompt, out_len)
                 command = f"LLM({e.model}, {e.kwargs}), {BATCH1_PROMPT}-token prompt"
@@ -575,12 +579,14 @@ def real_model_main(args: argparse.Namespace) -> None:
                 bench = (args.llama_bench, e.model, args.threads, 0, out_len, BATCH1_PROMPT)
                 run = llama_bench(*bench)
                 command = run["command"]
-            read = max(before, read_beside())
+            read = max(before, fastest_read(beside, 10))
             row["batch1_rounds"].append(run["decode_tok_s"])
             row.setdefault("batch1_read_gb_s", []).append(read)
             row["commands"] = sorted({*row["commands"], command})
             print(f"[batch 1] {e.label}: {run['decode_tok_s']:.1f} tok/s (read beside it "
                   f"{read:.1f} GB/s)", flush=True)  # fmt: skip
+
+    del beside  # 256 MB
 
     # Serving: the engines take turns too, round after round; each keeps its best.
     out_tokens = sum(r.output_len for r in reqs)
