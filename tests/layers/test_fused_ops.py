@@ -85,8 +85,9 @@ def _norm_of_sums(sums: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
 @pytest.mark.parametrize("dim", [7, 40, 576])  # the scalar loop alone; 8 or 16 lanes and a rest
 @pytest.mark.parametrize("offset", [False, True])
 def test_bf16_norms_give_the_scalar_loops_bits(dim, offset) -> None:
-    """bf16 norms run 8 lanes at a time where the build has AVX2 without AVX-512: residual + x
-    rounded to bf16, the squares' sums and the scaled rows come out as the scalar loop's bits."""
+    """bf16 norms run 16 lanes at a time where the build has AVX-512, 8 where it has AVX2:
+    residual + x rounded to bf16, the squares' sums and the scaled rows come out as the scalar
+    loop's bits."""
     torch.manual_seed(dim)
     x, residual = torch.randn(3, dim).bfloat16() * 3, torch.randn(3, dim).bfloat16()
     weight = torch.randn(dim).bfloat16()
@@ -207,11 +208,12 @@ def test_silu_and_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_loop(dt
     """bf16 rows of 16 or more features run 16 at a time where the build has AVX-512 (8 at a
     time where it has AVX2 only), fp32 rows 8 at a time where it has AVX2; a row of one feature
     runs the scalar loop. The same
-    values (exp's clamped range, signed zeros, NaN, infinities) either way give the same bits."""
+    values (exp's clamped range, signed zeros, NaN, infinities, denormals) either way give the
+    same bits."""
     torch.manual_seed(0)
     special = [-100.0, 100.0, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 87.0, -87.0,
-               88.5, -1e-30, 1e-30, 3e38, -3e38, 0.5, -0.5]  # fmt: skip
-    gate = torch.cat([torch.randn(2032) * 8, torch.tensor(special)]).to(dtype)
+               88.5, -1e-30, 1e-30, 3e38, -3e38, 0.5, -0.5, 2e-39, -2e-39]  # fmt: skip
+    gate = torch.cat([torch.randn(2048 - len(special)) * 8, torch.tensor(special)]).to(dtype)
     up = torch.randn(gate.numel()).to(dtype)
     with torch.inference_mode():
         lanes = cpu_fused.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]

@@ -84,6 +84,39 @@ def test_a_thread_done_with_its_share_takes_chunks_from_the_far_end_of_another()
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_of_few_panel_groups_split_into_blocks_of_rows_with_the_same_bits(dtype):
+    """Beyond 6 rows, a product of few panel groups (SmolLM2's 576 outputs: 9 groups of 4
+    panels) hands the threads (group, block of rows) items, about 16 a thread, where whole
+    groups left one thread a group more; many groups, 6 rows or a K in slices keep whole
+    groups. Each output's sums run in the same order either way: the bits are those of the
+    rows taken 6 at a time (the streaming path, one item)."""
+    torch.manual_seed(9)
+    isa = "avx512_bf16" if AMX and dtype == torch.bfloat16 else None  # AMX keeps whole groups
+    few = panel_gemm.pack(torch.randn(576, 64).to(dtype))
+    x = torch.randn(131, 64).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        start = panel_gemm.row_blocks()
+        y = panel_gemm.linear(x, few, None, isa)
+        # 22 tiles of 6 rows in 4 blocks of 36 rows (9 groups x 4 blocks >= 32 items)
+        assert panel_gemm.row_blocks() - start == 9 * 4
+        by_six = torch.cat(
+            [panel_gemm.linear(x[r : r + 6], few, None, isa) for r in range(0, 131, 6)]
+        )
+        assert torch.equal(y, by_six)
+        start = panel_gemm.row_blocks()
+        many = panel_gemm.pack(torch.randn(32 * 64, 64).to(dtype))  # 32 groups: whole ones
+        panel_gemm.linear(x, many, None, isa)
+        panel_gemm.linear(x[:6], few, None, isa)
+        sliced = panel_gemm.pack(torch.randn(48, 6002).to(dtype))
+        panel_gemm.linear(torch.randn(131, 6002).to(dtype), sliced, None, isa)
+        assert panel_gemm.row_blocks() == start
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_panel_products_give_the_same_bits_on_any_number_of_threads(threads):
     """Every panel product hands chunks of panels to threads as they finish (few rows

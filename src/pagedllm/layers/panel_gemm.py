@@ -63,6 +63,12 @@ def amx_blocks() -> int:
     return torch.ops.pagedllm_panel.amx_blocks() if load() else 0
 
 
+def row_blocks() -> int:
+    """(Panel group, block of rows) items this process has multiplied: products of more than
+    6 rows whose panel groups alone would not split evenly over the threads."""
+    return torch.ops.pagedllm_panel.row_blocks() if load() else 0
+
+
 def packable(weight: torch.Tensor) -> bool:
     """A CPU float32 / bfloat16 [N, K] weight with N a multiple of 16 (and K even in bf16)."""
     if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:

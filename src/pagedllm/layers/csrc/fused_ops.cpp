@@ -78,6 +78,61 @@ inline void bf16x8_store(c10::BFloat16* p, __m256 v) {
 
 #endif
 
+#if BF16_VECTORS
+// 16 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (nearest
+// even, NaN -> 0x7FC0): the vector form of the scalar loops' conversions, the same bits.
+inline __m512 bf16x16_load(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i bf16x16_round(__m512 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  // one vcvtneps2bf16 (nearest even), its NaNs (sign and payload kept) made 0x7FC0; it reads
+  // denormals as zero, so a vector holding one (fpclass 0x20) takes the integer steps
+  if (!_mm512_fpclass_ps_mask(v, 0x20))
+    return _mm256_mask_mov_epi16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)),
+                                 _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                 _mm256_set1_epi16(0x7fc0));
+#endif
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 bf16x16_rounded(__m512 v) {  // v rounded to bf16, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round(v)), 16));
+}
+
+#endif
+
+// bf16 rows a vector at a time: 16 features on AVX-512, 8 on AVX2 (the norms, the residual
+// add and rotary; the scalar conversions cost SmolLM2's bf16 decode 4.7 us a layer on a Zen 3
+// and AVX-512 builds ran the norms' scalar loops until they had 16 lanes).
+#if BF16_VECTORS
+struct Bf16Lanes {
+  static constexpr int kWidth = 16;
+  static __m512 splat(float v) { return _mm512_set1_ps(v); }
+  static __m512 load(const c10::BFloat16* p) { return bf16x16_load(p); }
+  static __m512 rounded(__m512 v) { return bf16x16_rounded(v); }
+  static void store(c10::BFloat16* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_round(v));
+  }
+};
+#elif F32_VECTORS
+struct Bf16Lanes {
+  static constexpr int kWidth = 8;
+  static __m256 splat(float v) { return _mm256_set1_ps(v); }
+  static __m256 load(const c10::BFloat16* p) { return bf16x8_load(p); }
+  static __m256 rounded(__m256 v) { return bf16x8_rounded(v); }
+  static void store(c10::BFloat16* p, __m256 v) { bf16x8_store(p, v); }
+};
+#endif
+#define BF16_LANES (BF16_VECTORS || F32_VECTORS)
+
 // Calls fn with a value of the element type of dtype (float or BFloat16, the two these ops
 // take); another dtype is an error naming op.
 template <typename F>
@@ -98,14 +153,14 @@ inline void scale_row(const T* r, T* out, const T* wp, int64_t dim, float sum, d
                       bool offset) {
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
   int64_t i = 0;
-#if F32_VECTORS && !BF16_VECTORS
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the loops below, 8 lanes at a time
-    const __m256 scale = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= dim; i += 8) {
-      const __m256 normed = _mm256_mul_ps(bf16x8_load(r + i), scale);
-      const __m256 w = bf16x8_load(wp + i);
-      bf16x8_store(out + i, offset ? _mm256_mul_ps(normed, _mm256_add_ps(one, w))
-                                   : _mm256_mul_ps(w, bf16x8_rounded(normed)));
+#if BF16_LANES
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the loops below, a vector at a time
+    using L = Bf16Lanes;
+    const auto scale = L::splat(inv), one = L::splat(1.f);
+    for (; i + L::kWidth <= dim; i += L::kWidth) {
+      const auto normed = L::load(r + i) * scale;
+      const auto w = L::load(wp + i);
+      L::store(out + i, offset ? normed * (one + w) : w * L::rounded(normed));
     }
   }
 #endif
@@ -126,15 +181,18 @@ template <typename T>
 float sum_of_squares(const T* r, int64_t dim) {
   float lanes[16] = {0.f};  // 16 partial sums: a reduction the compiler vectorizes
   int64_t i = 0;
-#if F32_VECTORS && !BF16_VECTORS
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same sums, 8 lanes at a time
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (; i + 16 <= dim; i += 16) {
-      const __m256 a = bf16x8_load(r + i), b = bf16x8_load(r + i + 8);
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
-      hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
-    }
-    _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
+#if BF16_LANES
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same sums, a vector at a time
+    using L = Bf16Lanes;
+    constexpr int kParts = 16 / L::kWidth;
+    decltype(L::splat(0.f)) sums[kParts];
+    for (auto& v : sums) v = L::splat(0.f);
+    for (; i + 16 <= dim; i += 16)
+      for (int v = 0; v < kParts; ++v) {
+        const auto a = L::load(r + i + v * L::kWidth);
+        sums[v] = sums[v] + a * a;
+      }
+    std::memcpy(lanes, sums, sizeof(lanes));
   }
 #endif
   for (; i + 16 <= dim; i += 16) {
@@ -156,10 +214,10 @@ float sum_of_squares(const T* r, int64_t dim) {
 template <typename T>
 inline void add_into(const T* xr, T* rr, int64_t dim) {
   int64_t i = 0;
-#if F32_VECTORS && !BF16_VECTORS
-  if constexpr (std::is_same_v<T, c10::BFloat16>)  // the same bits, 8 lanes at a time
-    for (; i + 8 <= dim; i += 8)
-      bf16x8_store(rr + i, _mm256_add_ps(bf16x8_load(xr + i), bf16x8_load(rr + i)));
+#if BF16_LANES
+  if constexpr (std::is_same_v<T, c10::BFloat16>)  // the same bits, a vector at a time
+    for (; i + Bf16Lanes::kWidth <= dim; i += Bf16Lanes::kWidth)
+      Bf16Lanes::store(rr + i, Bf16Lanes::load(xr + i) + Bf16Lanes::load(rr + i));
 #endif
   for (; i < dim; ++i)
     rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
@@ -228,50 +286,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
-#if BF16_VECTORS
-// 16 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (nearest
-// even, NaN -> 0x7FC0): the vector form of the scalar loop below, the same bits.
-inline __m512 bf16x16_load(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m256i bf16x16_round(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-inline __m512 bf16x16_rounded(__m512 v) {  // v rounded to bf16, as fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round(v)), 16));
-}
-
-// bf16 rows in vectors of 16 features: rotate_rows_bf16's lanes.
-struct Bf16x16 {
-  static constexpr int kWidth = 16;
-  static __m512 load(const c10::BFloat16* p) { return bf16x16_load(p); }
-  static __m512 rounded(__m512 v) { return bf16x16_rounded(v); }
-  static void store(c10::BFloat16* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_round(v));
-  }
-};
-#endif
-
-#if F32_VECTORS && !BF16_VECTORS
-// The same on 8 lanes (AVX2): SmolLM2's bf16 decode spent 4.7 us a layer in the scalar loop's
-// conversions on a Zen 3.
-struct Bf16x8 {
-  static constexpr int kWidth = 8;
-  static __m256 load(const c10::BFloat16* p) { return bf16x8_load(p); }
-  static __m256 rounded(__m256 v) { return bf16x8_rounded(v); }
-  static void store(c10::BFloat16* p, __m256 v) { bf16x8_store(p, v); }
-};
-#endif
-
-#if BF16_VECTORS || F32_VECTORS
+#if BF16_LANES
 // rotate_rows for bf16, L::kWidth features at a time, each product rounded as the scalar loop
 // rounds it (the scalar conversions cost a 48-row decode step of SmolLM2 2.6% of its time).
 template <typename L>
@@ -297,13 +312,10 @@ template <typename T>
 void rotate_rows(const T* in, T* out, const T* cos, const T* sin, int64_t heads, int64_t in_hs,
                  int64_t dim) {
   const int64_t half = dim / 2;
-#if BF16_VECTORS
+#if BF16_LANES
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (half % 16 == 0) return rotate_rows_bf16<Bf16x16>(in, out, cos, sin, heads, in_hs, dim);
-  }
-#elif F32_VECTORS
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (half % 8 == 0) return rotate_rows_bf16<Bf16x8>(in, out, cos, sin, heads, in_hs, dim);
+    if (half % Bf16Lanes::kWidth == 0)
+      return rotate_rows_bf16<Bf16Lanes>(in, out, cos, sin, heads, in_hs, dim);
   }
 #endif
   for (int64_t h = 0; h < heads; ++h) {

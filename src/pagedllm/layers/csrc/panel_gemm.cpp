@@ -67,6 +67,21 @@ int64_t whole_groups(int64_t panels) {
   return std::max<int64_t>(1, (panels + kMaxNR - 1) / kMaxNR) * kMaxNR;
 }
 
+// Rows a block of a product of many rows takes (a multiple of kMaxMR; m: one block), so that
+// two threads get even shares: a panel group at a time left one thread a group more than the
+// other where the groups are few (SmolLM2's o_proj and down_proj: 9 groups of 4 panels, 5
+// against 4), and a group's row tiles cost the same wherever they run (its weight comes from
+// L2 for each). Not where K is sliced: there every row passes over one slice before the next.
+std::atomic<int64_t> row_block_count{0};  // (group, block of rows) items run (row_blocks())
+
+int64_t block_rows(int64_t m, int64_t panels, bool sliced) {
+  if (m <= kMaxMR || sliced) return m;
+  const int64_t groups = whole_groups(panels) / kMaxNR, tiles = (m + kMaxMR - 1) / kMaxMR;
+  const int64_t items = 16 * int64_t(at::get_num_threads());  // each 1/16 of a thread's share
+  const int64_t blocks = std::clamp<int64_t>((items + groups - 1) / groups, 1, tiles);
+  return (tiles + blocks - 1) / blocks * kMaxMR;
+}
+
 // kAmxBf16: AVX512-BF16 and AMX-BF16 tiles (bfloat16 products of more than kMaxMR rows).
 enum class Isa { kNone = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmxBf16 = 3 };
 
@@ -446,11 +461,11 @@ void amx_panels(const at::Tensor& xp, int64_t m, const at::Tensor& w, const floa
   amx_end();
 }
 
-// Panels [p0, p1) of y for all M rows: K in slices that keep a panel group's weight in L2,
+// Panels [p0, p1) of y for rows [r0, r1): K in slices that keep a panel group's weight in L2,
 // each slice over every group of kMaxNR panels and every tile of kMaxMR rows.
 template <typename T>
 void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y,
-            float* acc, bool dp, int64_t p0, int64_t p1) {
+            float* acc, bool dp, int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
   const int64_t m = x.size(0), steps = w.size(1), width = w.size(2);  // width: 16 or 32
   const int64_t panel = steps * width;
   const int64_t slice = slice_steps(m, steps, width, sizeof(T));
@@ -470,8 +485,8 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
       const int nr = int(std::min<int64_t>(kMaxNR, p1 - p));
       t.w = w.data_ptr<T>() + p * panel;
       t.bias = bias != nullptr ? bias + p * kPanel : nullptr;
-      for (int64_t r = 0; r < m; r += kMaxMR) {
-        const int mr = int(std::min<int64_t>(kMaxMR, m - r));
+      for (int64_t r = r0; r < r1; r += kMaxMR) {
+        const int mr = int(std::min<int64_t>(kMaxMR, r1 - r));
         t.x = x.data_ptr<T>() + r * t.xs;
         t.y = y.data_ptr<T>() + r * t.ys + p * kPanel;
         t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
@@ -1093,11 +1108,25 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     });
     return y;
   }
-  balanced_for(w.size(0), chunk, [&](int64_t p0, int64_t p1) {
+  const auto run = [&](int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
     if (x.scalar_type() == at::kFloat)
-      panels<float>(x, w, bp, y, nullptr, false, p0, p1);
+      panels<float>(x, w, bp, y, nullptr, false, p0, p1, r0, r1);
     else
-      panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1);
+      panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1, r0, r1);
+  };
+  const int64_t rows = block_rows(m, w.size(0), sliced), blocks = (m + rows - 1) / rows;
+  if (blocks == 1) {
+    balanced_for(w.size(0), chunk, [&](int64_t p0, int64_t p1) { run(p0, p1, 0, m); });
+    return y;
+  }
+  // items (panel group, block of rows), a group's blocks one after another: a thread that
+  // takes several keeps the group's weight in L2 while their rows pass
+  balanced_for(whole_groups(w.size(0)) / kMaxNR * blocks, 1, [&](int64_t i0, int64_t i1) {
+    row_block_count.fetch_add(i1 - i0, std::memory_order_relaxed);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / blocks * kMaxNR, r = i % blocks * rows;
+      run(p, std::min(w.size(0), p + kMaxNR), r, std::min(m, r + rows));
+    }
   });
 #endif
   return y;
@@ -1240,6 +1269,9 @@ at::Tensor balanced_split_trace(int64_t chunks) {
 
 bool available() { return cpu_isa() != Isa::kNone; }
 
+// (panel group, block of rows) items the products of many rows have run in this process.
+int64_t row_blocks() { return row_block_count.load(); }
+
 int64_t amx_blocks() {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   return amx_block_count.load();
@@ -1345,4 +1377,5 @@ TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("int8_activations(int enable) -> bool", &int8_activations);
   m.def("isa() -> str", &isa);
   m.def("balanced_split_trace(int chunks) -> Tensor", &balanced_split_trace);
+  m.def("row_blocks() -> int", &row_blocks);
 }
