@@ -67,13 +67,13 @@ int64_t whole_groups(int64_t panels) {
   return std::max<int64_t>(1, (panels + kMaxNR - 1) / kMaxNR) * kMaxNR;
 }
 
+std::atomic<int64_t> row_block_count{0};  // (group, block of rows) items run (row_blocks())
+
 // Rows a block of a product of many rows takes (a multiple of kMaxMR; m: one block), so that
 // two threads get even shares: a panel group at a time left one thread a group more than the
 // other where the groups are few (SmolLM2's o_proj and down_proj: 9 groups of 4 panels, 5
 // against 4), and a group's row tiles cost the same wherever they run (its weight comes from
 // L2 for each). Not where K is sliced: there every row passes over one slice before the next.
-std::atomic<int64_t> row_block_count{0};  // (group, block of rows) items run (row_blocks())
-
 int64_t block_rows(int64_t m, int64_t panels, bool sliced) {
   if (m <= kMaxMR || sliced) return m;
   const int64_t groups = whole_groups(panels) / kMaxNR, tiles = (m + kMaxMR - 1) / kMaxMR;
