@@ -81,9 +81,12 @@ inline void bf16x8_store(c10::BFloat16* p, __m256 v) {
 #if BF16_VECTORS
 // 16 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (nearest
 // even, NaN -> 0x7FC0): the vector form of the scalar loops' conversions, the same bits.
-inline __m512 bf16x16_load(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+inline __m512 bf16x16_widen(__m256i h) {  // each bf16 the high half of its fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 bf16x16_load(const c10::BFloat16* p) {
+  return bf16x16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline __m256i bf16x16_round(__m512 v) {
@@ -103,9 +106,7 @@ inline __m256i bf16x16_round(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-inline __m512 bf16x16_rounded(__m512 v) {  // v rounded to bf16, as fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round(v)), 16));
-}
+inline __m512 bf16x16_rounded(__m512 v) { return bf16x16_widen(bf16x16_round(v)); }  // as fp32
 
 #endif
 
