@@ -387,14 +387,17 @@ def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads, many
         torch.set_num_threads(saved)
 
 
-def test_shared_prefix_needs_four_sequences_64_keys_and_no_left_window():
-    """Three sharing sequences, a prefix of 3 blocks (48 keys) or a sliding window: no set, each
-    sequence on its own, the same results."""
+def test_shared_prefix_needs_four_sequences_64_keys_48_rows_each_and_no_left_window():
+    """Three sharing sequences, a prefix of 3 blocks (48 keys), chunks of 17 query tokens (51
+    rows a kv head: each would fill a set alone) or a sliding window: no set, each sequence on
+    its own, the same results. Chunks of 16 tokens (48 rows) still share the prefix."""
     if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
     rng = random.Random(3)
-    for members, prefix_blocks, window in [(3, 8, -1), (8, 3, -1), (8, 8, 40)]:
-        q_lens = [1] * (members + 1)
+    cases = [(3, 8, 1, -1), (8, 3, 1, -1), (6, 8, 17, -1), (8, 8, 1, 40), (6, 8, 16, -1)]
+    for members, prefix_blocks, q_len, window in cases:
+        q_lens = [q_len] * (members + 1)
         out, _, want, _, ran = _shared_prefix_batch(rng, members, prefix_blocks, 1, q_lens, window)
-        assert ran == 0
+        sharing = q_len == 16 and cpu_has_bf16_dot()
+        assert (ran > 0) == sharing
         torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
