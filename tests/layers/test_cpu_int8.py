@@ -181,3 +181,46 @@ def test_any_number_of_threads_gives_the_same_bits(threads: int, m: int) -> None
             assert torch.equal(got, want)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("m", [1, 3, 9, 48, 150])
+def test_bf16_x_gives_the_float32_products_rounded_to_bf16_on_every_isa(m: int) -> None:
+    """A bf16 x goes in as it is and y comes out in bf16: on every instruction set, the bits
+    of the same x widened to fp32, multiplied, and rounded to bf16 by torch (150 rows at K =
+    2048: more than one chunk of x)."""
+    torch.manual_seed(m)
+    k = 2048 if m == 150 else 130
+    x = (torch.randn(m, k) * 3).bfloat16()
+    q, scale = quantize_weight(torch.randn(40, k))
+    packed, rowsum = cpu_int8.pack(q)
+    for name in runnable_isas(63):
+        got = cpu_int8.linear(x, packed, rowsum, scale, 63, isa=name)
+        want = cpu_int8.linear(x.float(), packed, rowsum, scale, 63, isa=name).bfloat16()
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("m", [3, 8, 9, 17, 48])
+def test_many_rows_on_avx512_vnni_pass_two_weight_blocks_at_once_with_the_scalar_bits(
+    m: int,
+) -> None:
+    """Beyond two rows, AVX-512 VNNI multiplies two weight blocks (32 outputs) a pass, up to 8
+    rows: with 7 blocks (an odd one left to the one-block kernel) and with a partial last
+    block (40 outputs), the outputs are the scalar kernel's; the pair passes are counted (one
+    per 2 blocks and 8 rows), and one or two rows take none."""
+    if "avx512_vnni" not in runnable_isas(127):
+        unavailable("this CPU has no AVX-512 VNNI")
+    torch.manual_seed(m)
+    for n in (112, 40):
+        x = torch.randn(m, 130) * 3
+        q, scale = quantize_weight(torch.randn(n, 130))
+        packed, rowsum = cpu_int8.pack(q)
+        before = cpu_int8.pair_passes()
+        got = cpu_int8.linear(x, packed, rowsum, scale, 127, isa="avx512_vnni")
+        passes = cpu_int8.pair_passes() - before
+        scalar = cpu_int8.linear(x, packed, rowsum, scale, 127, isa="scalar")
+        assert torch.equal(got, scalar), (m, n)
+        assert passes == -(-m // 8) * (n // 32), (m, n)
+    before = cpu_int8.pair_passes()
+    cpu_int8.linear(torch.randn(2, 130), packed, rowsum, scale, 127, isa="avx512_vnni")
+    assert cpu_int8.pair_passes() == before

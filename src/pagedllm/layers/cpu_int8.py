@@ -50,6 +50,12 @@ def has_vnni() -> bool:
     return isa() in ("avx512_vnni", "avx_vnni")
 
 
+def pair_passes() -> int:
+    """Passes of the AVX-512 VNNI kernel over two weight blocks at once (products of more than
+    two rows) run so far in this process. load() must be True."""
+    return int(torch.ops.pagedllm_int8.pair_passes())
+
+
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] -> (packed blocks, int32 row sums) for :func:`linear`."""
     return torch.ops.pagedllm_int8.int8_pack(weight)
@@ -71,9 +77,10 @@ def linear(
     bias: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> torch.Tensor:
-    """x fp32 [M, K] -> fp32 [M, N]: per-row int8 activations (|q| <= levels) times the
-    packed weight, rescaled by each row's step and the weight's per-row scale. isa forces an
-    instruction set the CPU runs (tests); None takes the best."""
+    """x fp32 or bf16 [M, K] -> [M, N] in x's dtype: per-row int8 activations (|q| <=
+    levels) times the packed weight, rescaled by each row's step and the weight's per-row
+    scale (a bf16 y is the fp32 one rounded to nearest even). isa forces an instruction set
+    the CPU runs (tests); None takes the best."""
     return torch.ops.pagedllm_int8.int8_linear(x, packed, rowsum, scale, levels, bias, isa)
 
 

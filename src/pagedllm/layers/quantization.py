@@ -231,8 +231,9 @@ class CpuInt8Kernel(Int8Kernel):
         self.shape = tuple(self.qweight.shape)
         del self.qweight
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_int8.linear(x.float(), self.packed, self.rowsum, self.scale, self.levels)
+    def mm(self, x: torch.Tensor) -> torch.Tensor:  # bf16 x in, bf16 y out: no conversions
+        x = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        return cpu_int8.linear(x, self.packed, self.rowsum, self.scale, self.levels)
 
     def fused_operands(self, bias: torch.Tensor | None) -> tuple[list[torch.Tensor | None], int]:
         return [self.packed, self.rowsum, self.scale, bias], self.levels

@@ -903,9 +903,11 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
       return gemv(x, w, b);  // what LinearBase.matmul runs at these rows
     return float_linear(x, w, b);
   }
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  // float32 and bfloat16 x go in as they are (y in their dtype), others as float32
+  const bool direct = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = direct ? x : x.to(at::kFloat);
   at::Tensor y = int8_linear_op().call(xf, w, rowsum, scale, levels, c10::nullopt, c10::nullopt);
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   return bias.defined() ? y + bias : y;
 }
 

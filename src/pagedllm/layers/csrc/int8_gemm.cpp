@@ -13,20 +13,28 @@
 // The instruction set is chosen at run time (compiled per function with target attributes):
 // AVX-512 VNNI (vpdpbusd), AVX-VNNI, AVX-512BW or AVX2 (vpmaddubsw + vpmaddwd: u8 x s8 pairs
 // saturate in int16, so activations must keep |xq| <= 63 there), else portable C++.
+//
+// x is float32 or bfloat16 (widened exactly before it is quantized), y comes out in x's dtype:
+// a bfloat16 y is the float32 one rounded to nearest even, as torch's conversion does, without
+// the two conversions of the whole tensors a bfloat16 model's layer otherwise pays.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "balanced_for.h"
+#include "bf16_round.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -100,6 +108,13 @@ const char* isa_name(Isa i) {
 bool has_vnni(Isa i) { return i == Isa::kAvx512Vnni || i == Isa::kAvxVnni; }
 
 // ---- the block micro-kernels: acc[m][16] += sum over K groups of xu[m] . w -----------------
+// Row r's group g of x: 4 u8 values as one int32, the operand each kernel broadcasts.
+inline int32_t x_group(const uint8_t* xu, int64_t kp, int r, int64_t g) {
+  int32_t v;
+  std::memcpy(&v, xu + r * kp + g * kGroup, 4);
+  return v;
+}
+
 // w points at one block ([K/4][16][4] bytes); xu rows are [M][Kp] u8, stride kp.
 void block_scalar(const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t* acc) {
   for (int r = 0; r < m; ++r) {
@@ -141,23 +156,43 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
     const __m512i w0 = _mm512_loadu_si512(wg);
     const __m512i w1 = _mm512_loadu_si512(wg + kRows * kGroup);
     for (int r = 0; r < M; ++r) {
-      int32_t x0, x1;
-      std::memcpy(&x0, xu + r * kp + g * kGroup, 4);
-      std::memcpy(&x1, xu + r * kp + (g + 1) * kGroup, 4);
-      a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(x0), w0);
-      b[r] = _mm512_dpbusd_epi32(b[r], _mm512_set1_epi32(x1), w1);
+      a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(x_group(xu, kp, r, g)), w0);
+      b[r] = _mm512_dpbusd_epi32(b[r], _mm512_set1_epi32(x_group(xu, kp, r, g + 1)), w1);
     }
   }
   for (; g < groups; ++g) {
     const __m512i wv = _mm512_loadu_si512(w + g * kRows * kGroup);
     for (int r = 0; r < M; ++r) {
-      int32_t xg;
-      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const int32_t xg = x_group(xu, kp, r, g);
       a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(xg), wv);
     }
   }
   for (int r = 0; r < M; ++r)
     _mm512_storeu_si512(acc + r * kRows, _mm512_add_epi32(a[r], b[r]));
+}
+
+// Many rows on AVX-512 VNNI: two weight blocks (32 outputs) a pass, so that each broadcast of
+// x feeds two vpdpbusd (one a block, as above, left the broadcasts as many as the products):
+// 16 sums in registers, up to kPairRows rows. SmolLM2's products at 48 / 256 / 2,048 rows
+// (gate_up, 3,072 x 576, 2 threads, builds taking turns): 590-726 -> 778-807, 653-760 ->
+// 796-849, 604-624 -> 721-726 GOP/s. Four blocks of 6 rows (24 sums) ran at 420-470.
+constexpr int kPairRows = 8;
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void pair_avx512vnni(
+    const int8_t* w, int64_t block_bytes, const uint8_t* xu, int64_t kp, int32_t* acc) {
+  __m512i a[M][2];  // (as a[M] and b[M], GCC copied every sum to another register each step)
+  for (int r = 0; r < M; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    __m512i v[2];
+    for (int j = 0; j < 2; ++j) v[j] = _mm512_loadu_si512(w + j * block_bytes + g * kRows * kGroup);
+    for (int r = 0; r < M; ++r) {
+      const __m512i xv = _mm512_set1_epi32(x_group(xu, kp, r, g));
+      for (int j = 0; j < 2; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], xv, v[j]);
+    }
+  }
+  for (int j = 0; j < 2; ++j)  // acc: the first block's M rows of 16, then the second's
+    for (int r = 0; r < M; ++r) _mm512_storeu_si512(acc + (j * kPairRows + r) * kRows, a[r][j]);
 }
 
 template <int M>
@@ -170,8 +205,7 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512bw(const int8_t* w,
   for (int64_t g = 0; g < kp / kGroup; ++g) {
     const __m512i wv = _mm512_loadu_si512(w + g * kRows * kGroup);
     for (int r = 0; r < M; ++r) {
-      int32_t xg;
-      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const int32_t xg = x_group(xu, kp, r, g);
       const __m512i p = _mm512_maddubs_epi16(_mm512_set1_epi32(xg), wv);
       a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(p, ones));
     }
@@ -190,8 +224,7 @@ __attribute__((target("avx2,avxvnni"))) void block_avxvnni(const int8_t* w, cons
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
     for (int r = 0; r < M; ++r) {
-      int32_t xg;
-      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const int32_t xg = x_group(xu, kp, r, g);
       const __m256i xv = _mm256_set1_epi32(xg);
       lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xv, w0);
       hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xv, w1);
@@ -217,8 +250,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const int8_t* w, const uint8_
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
     for (int r = 0; r < M; ++r) {
-      int32_t xg;
-      std::memcpy(&xg, xu + r * kp + g * kGroup, 4);
+      const int32_t xg = x_group(xu, kp, r, g);
       const __m256i xv = _mm256_set1_epi32(xg);
       lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w0), ones));
       hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w1), ones));
@@ -274,12 +306,21 @@ void block(Isa i, const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t
   block_scalar(w, xu, kp, m, acc);
 }
 
-// y[r][0:16] = float(acc[r] - zero * sums) * w_scale * step[r] (+ bias) for a whole block of
-// 16 outputs, on 16 lanes (the scalar loop's operations in its order).
 #if PAGEDLLM_X86 && defined(__GNUC__)
+// acc[2][kPairRows][16] = the dot products of m (<= kPairRows) rows with two weight blocks.
+void block_pair(const int8_t* w, int64_t block_bytes, const uint8_t* xu, int64_t kp, int m,
+                int32_t* acc) {
+  PAGEDLLM_DISPATCH_M(pair_avx512vnni, m, w, block_bytes, xu, kp, acc)
+}
+#endif
+
+// y[r][0:16] = float(acc[r] - zero * sums) * w_scale * step[r] (+ bias) for a whole block of
+// 16 outputs, on 16 lanes (the scalar loop's operations in its order); Out float or bf16.
+#if PAGEDLLM_X86 && defined(__GNUC__)
+template <typename Out>
 __attribute__((target("avx512f"))) void rescale_block_avx512(
     const int32_t* acc, int mr, int32_t zero, const int32_t* sums, const float* ws,
-    const float* step, const float* bias, float* y, int64_t ys) {
+    const float* step, const float* bias, Out* y, int64_t ys) {
   const __m512i zs = _mm512_mullo_epi32(_mm512_set1_epi32(zero), _mm512_loadu_si512(sums));
   const __m512 scale = _mm512_loadu_ps(ws);
   for (int r = 0; r < mr; ++r) {
@@ -287,16 +328,20 @@ __attribute__((target("avx512f"))) void rescale_block_avx512(
     __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), scale),
                              _mm512_set1_ps(step[r]));
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
-    _mm512_storeu_ps(y + r * ys, v);
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_storeu_ps(y + r * ys, v);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys), pagedllm_cpu::bf16_round16(v));
   }
 }
 
 // The same on 8 lanes, two halves of the block. Without FMA in its target, so the multiply and
 // the bias's add stay two roundings, as in the scalar loop.
+template <typename Out>
 __attribute__((target("avx2"))) void rescale_block_avx2(const int32_t* acc, int mr, int32_t zero,
                                                         const int32_t* sums, const float* ws,
                                                         const float* step, const float* bias,
-                                                        float* y, int64_t ys) {
+                                                        Out* y, int64_t ys) {
   for (int h = 0; h < kRows; h += 8) {
     const __m256i zs = _mm256_mullo_epi32(
         _mm256_set1_epi32(zero), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums + h)));
@@ -307,7 +352,10 @@ __attribute__((target("avx2"))) void rescale_block_avx2(const int32_t* acc, int 
       __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), scale),
                                _mm256_set1_ps(step[r]));
       if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + h));
-      _mm256_storeu_ps(y + r * ys + h, v);
+      if constexpr (std::is_same_v<Out, float>)
+        _mm256_storeu_ps(y + r * ys + h, v);
+      else
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * ys + h), pagedllm_cpu::bf16_round8(v));
     }
   }
 }
@@ -402,7 +450,8 @@ __attribute__((target("avx2"))) int64_t round_avx2(const float* row, int64_t k, 
 
 // Each row of x to u8 (xq + zero, xq = round(x / step) in [-levels, levels]); K padded with
 // the zero point (xq = 0). Same arithmetic as the torch path: step = max(absmax, tiny) / levels.
-void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels, uint8_t* xu,
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t kp, int levels, uint8_t* xu,
                    float* step) {
   const float tiny = std::numeric_limits<float>::min();
   const float lv = float(levels), zero = float(levels + 1);
@@ -416,8 +465,16 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels,
 #endif
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)),
                    [&](int64_t r0, int64_t r1) {
+    std::vector<float> wide;  // a bf16 row widened (exactly) to fp32
     for (int64_t r = r0; r < r1; ++r) {
-      const float* row = x + r * k;
+      const float* row;
+      if constexpr (std::is_same_v<T, float>) {
+        row = x + r * k;
+      } else {
+        wide.resize(k);
+        for (int64_t c = 0; c < k; ++c) wide[c] = float(x[r * k + c]);
+        row = wide.data();
+      }
       uint8_t* out = xu + r * kp;
       float absmax = 0.f;
       int64_t c = 0;
@@ -446,11 +503,78 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int levels,
   });
 }
 
+std::atomic<int64_t> pair_pass_count{0};  // passes of block_pair run (pair_passes())
+
+// The products and rescale of int8_linear for y of type Out: row chunks of x that stay in L2,
+// the blocks of the weight spread over the threads.
+template <typename Out>
+void int8_products(Isa i, const uint8_t* xu, const float* step, int64_t m, int64_t kp,
+                   const at::Tensor& packed, const int32_t* sums, const float* ws,
+                   const float* b, int64_t n, int32_t zero, Out* out) {
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int64_t nb = packed.size(0), block_bytes = packed.size(1) * kRows * kGroup;
+  // Chunks of blocks that stream at least ~64 KiB of weight, handed out as threads finish.
+  const int64_t blocks = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
+  // Rows of x in chunks of about 256 KiB (half of a core's L2 on small-L2 CPUs), each chunk
+  // multiplied with every block of the task's weight: x comes from L2, not once per block
+  // from memory (prefill's 2,048 rows are more than a core's L2).
+  const int64_t chunk = std::max<int64_t>(kMaxM, (256 << 10) / kp / kMaxM * kMaxM);
+  const bool avx512 = i == Isa::kAvx512Vnni || i == Isa::kAvx512bw;
+  const bool avx2 = i == Isa::kAvx2 || i == Isa::kAvxVnni;
+  // two blocks a pass beyond the one or two rows of decode (those stream the weight once)
+  const bool pairs = i == Isa::kAvx512Vnni && m > 2;
+  const auto rescale = [&](const int32_t* acc, int64_t r0, int mr, int64_t bi) {
+    const int64_t n0 = bi * kRows, rows = std::min<int64_t>(kRows, n - n0);
+#if PAGEDLLM_X86 && defined(__GNUC__)
+    if (avx512 && rows == kRows)
+      return rescale_block_avx512(acc, mr, zero, sums + n0, ws + n0, step + r0,
+                                  b ? b + n0 : nullptr, out + r0 * n + n0, n);
+    if (avx2 && rows == kRows)
+      return rescale_block_avx2(acc, mr, zero, sums + n0, ws + n0, step + r0,
+                                b ? b + n0 : nullptr, out + r0 * n + n0, n);
+#endif
+    for (int r = 0; r < mr; ++r) {
+      Out* yr = out + (r0 + r) * n + n0;
+      const float s = step[r0 + r];
+      for (int64_t c = 0; c < rows; ++c) {
+        const float v = float(acc[r * kRows + c] - zero * sums[n0 + c]) * ws[n0 + c] * s;
+        yr[c] = Out(b ? v + b[n0 + c] : v);
+      }
+    }
+  };
+  balanced_for(nb, blocks, [&](int64_t b0, int64_t b1) {
+    int32_t acc[2 * kMaxM * kRows];
+    int64_t passes = 0;
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      int64_t bi = b0;
+#if PAGEDLLM_X86 && defined(__GNUC__)
+      for (; pairs && bi + 2 <= b1; bi += 2)
+        for (int64_t r0 = c0; r0 < c1; r0 += kPairRows) {
+          const int mr = int(std::min<int64_t>(kPairRows, c1 - r0));
+          block_pair(w + bi * block_bytes, block_bytes, xu + r0 * kp, kp, mr, acc);
+          rescale(acc, r0, mr, bi);
+          rescale(acc + kPairRows * kRows, r0, mr, bi + 1);
+          ++passes;
+        }
+#endif
+      for (; bi < b1; ++bi)
+        for (int64_t r0 = c0; r0 < c1; r0 += kMaxM) {
+          const int mr = int(std::min<int64_t>(kMaxM, c1 - r0));
+          block(i, w + bi * block_bytes, xu + r0 * kp, kp, mr, acc);
+          rescale(acc, r0, mr, bi);
+        }
+    }
+    if (passes > 0) pair_pass_count.fetch_add(passes, std::memory_order_relaxed);
+  });
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& rowsum,
                        const at::Tensor& w_scale, int64_t levels,
                        const c10::optional<at::Tensor>& bias,
                        const c10::optional<std::string>& force_isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   packed.size(2) == kRows * kGroup,
               "packed must come from int8_pack");
@@ -466,66 +590,32 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t m = xc.size(0), k = xc.size(1), n = w_scale.numel();
   const int64_t nb = packed.size(0), kp = packed.size(1) * kGroup;
   TORCH_CHECK(nb == (n + kRows - 1) / kRows && kp >= k && kp - k < kGroup, "shape mismatch");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n &&
+                                    bias->is_contiguous()),
+              "bias must be float32 [N]");
   at::Tensor y = at::empty({m, n}, xc.options());
   if (m == 0) return y;
   std::vector<uint8_t> xu(m * kp);
   std::vector<float> step(m);
-  quantize_rows(xc.data_ptr<float>(), m, k, kp, int(levels), xu.data(), step.data());
-  const int8_t* w = packed.data_ptr<int8_t>();
+  const int32_t zero = int32_t(levels) + 1;
   const int32_t* sums = rowsum.data_ptr<int32_t>();
   const float* ws = w_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n &&
-                                    bias->is_contiguous()),
-              "bias must be float32 [N]");
-  float* out = y.data_ptr<float>();
-  const int32_t zero = int32_t(levels) + 1;
-  const int64_t block_bytes = packed.size(1) * kRows * kGroup;
-  // Chunks of blocks that stream at least ~64 KiB of weight, handed out as threads finish.
-  const int64_t blocks = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, block_bytes));
-  // Rows of x in chunks of about 256 KiB (half of a core's L2 on small-L2 CPUs), each chunk
-  // multiplied with every block of the task's weight: x comes from L2, not once per block
-  // from memory (prefill's 2,048 rows are more than a core's L2).
-  const int64_t chunk = std::max<int64_t>(kMaxM, (256 << 10) / kp / kMaxM * kMaxM);
-  const bool avx512 = i == Isa::kAvx512Vnni || i == Isa::kAvx512bw;
-  const bool avx2 = i == Isa::kAvx2 || i == Isa::kAvxVnni;
-  balanced_for(nb, blocks, [&](int64_t b0, int64_t b1) {
-    int32_t acc[kMaxM * kRows];
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-      const int64_t c1 = std::min(m, c0 + chunk);
-      for (int64_t bi = b0; bi < b1; ++bi) {
-        const int64_t n0 = bi * kRows, rows = std::min<int64_t>(kRows, n - n0);
-        for (int64_t r0 = c0; r0 < c1; r0 += kMaxM) {
-          const int mr = int(std::min<int64_t>(kMaxM, c1 - r0));
-          block(i, w + bi * block_bytes, xu.data() + r0 * kp, kp, mr, acc);
-#if PAGEDLLM_X86 && defined(__GNUC__)
-          if (avx512 && rows == kRows) {
-            rescale_block_avx512(acc, mr, zero, sums + n0, ws + n0, step.data() + r0,
-                                 b ? b + n0 : nullptr, out + r0 * n + n0, n);
-            continue;
-          }
-          if (avx2 && rows == kRows) {
-            rescale_block_avx2(acc, mr, zero, sums + n0, ws + n0, step.data() + r0,
-                               b ? b + n0 : nullptr, out + r0 * n + n0, n);
-            continue;
-          }
-#endif
-          for (int r = 0; r < mr; ++r) {
-            float* yr = out + (r0 + r) * n + n0;
-            const float s = step[r0 + r];
-            for (int64_t c = 0; c < rows; ++c) {
-              const float v = float(acc[r * kRows + c] - zero * sums[n0 + c]) * ws[n0 + c] * s;
-              yr[c] = b ? v + b[n0 + c] : v;
-            }
-          }
-        }
-      }
-    }
-  });
+  if (xc.scalar_type() == at::kFloat) {
+    quantize_rows(xc.data_ptr<float>(), m, k, kp, int(levels), xu.data(), step.data());
+    int8_products(i, xu.data(), step.data(), m, kp, packed, sums, ws, b, n, zero,
+                  y.data_ptr<float>());
+  } else {
+    quantize_rows(xc.data_ptr<at::BFloat16>(), m, k, kp, int(levels), xu.data(), step.data());
+    int8_products(i, xu.data(), step.data(), m, kp, packed, sums, ws, b, n, zero,
+                  y.data_ptr<at::BFloat16>());
+  }
   return y;
 }
 
 std::string int8_isa() { return isa_name(isa()); }
+
+int64_t pair_passes() { return pair_pass_count.load(); }
 
 }  // namespace
 
@@ -536,4 +626,5 @@ TORCH_LIBRARY(pagedllm_int8, m) {
       "Tensor? bias, str? isa=None) -> Tensor",
       &int8_linear);
   m.def("isa() -> str", &int8_isa);
+  m.def("pair_passes() -> int", &pair_passes);
 }

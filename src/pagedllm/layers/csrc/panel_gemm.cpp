@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "balanced_for.h"
+#include "bf16_round.h"
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +48,10 @@
 namespace {
 
 using pagedllm_cpu::balanced_for;
+#if PAGEDLLM_X86
+using pagedllm_cpu::bf16_round16;
+using pagedllm_cpu::bf16_rounded_bits;
+#endif
 
 constexpr int64_t kPanel = 16;     // output features per panel: one 512-bit vector of fp32
 constexpr int kMaxMR = 6;          // rows of x per micro-kernel call
@@ -162,21 +167,6 @@ inline void prefetch_panels(const Tile<T>& t, int64_t k, int64_t width) {
   }
 }
 
-// fp32 bits rounded to nearest even at bit 16: the bf16 is the upper half (finite v).
-__attribute__((target("avx512f"))) inline __m512i rounded_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-}
-
-// Round to nearest even, NaN kept (a quiet NaN), as c10::BFloat16's conversion does.
-__attribute__((target("avx512f"))) inline __m256i f32_to_bf16(__m512 v) {
-  __m512i r = rounded_bits(v);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                            _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 template <int MR, int NR, typename T>
 __attribute__((target("avx512f"))) inline void load_acc(const Tile<T>& t, __m512 (&acc)[MR][NR]) {
   for (int i = 0; i < MR; ++i)
@@ -201,7 +191,7 @@ __attribute__((target("avx512f"))) inline void store_acc(const Tile<T>& t,
         _mm512_storeu_ps(t.y + i * t.ys + j * kPanel, acc[i][j]);
       } else if (t.last) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.y + i * t.ys + j * kPanel),
-                            f32_to_bf16(acc[i][j]));
+                            bf16_round16(acc[i][j]));
       } else {
         _mm512_storeu_ps(t.acc + i * t.ys + j * kPanel, acc[i][j]);
       }
@@ -407,7 +397,7 @@ __attribute__((target("avx512f"))) void amx_slice(const AmxSlice& a, int nr) {
         else if (a.bias != nullptr)
           v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + j * kPanel));
         if (a.last)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + at), f32_to_bf16(v));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + at), bf16_round16(v));
         else
           _mm512_storeu_ps(a.acc + at, v);
       }
@@ -612,8 +602,8 @@ __attribute__((target("avx512f"))) inline void codes_pair(const uint8_t* at, int
 // Round to bf16 (nearest even) and interleave: lane j = (bf16(even[j]), bf16(odd[j])).
 __attribute__((target("avx512f"))) inline __m512i bf16_pairs(__m512 even, __m512 odd) {
   const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
-  return _mm512_or_si512(_mm512_srli_epi32(rounded_bits(even), 16),
-                         _mm512_and_si512(rounded_bits(odd), high));
+  return _mm512_or_si512(_mm512_srli_epi32(bf16_rounded_bits(even), 16),
+                         _mm512_and_si512(bf16_rounded_bits(odd), high));
 }
 
 // Panels [p, p + nr) at input features [k0, k1) as the float panel layout (w = d q + m).
