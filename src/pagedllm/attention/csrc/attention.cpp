@@ -785,34 +785,49 @@ bool cpu_has_bf16_dot() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
-// Lane i of the result is the horizontal sum of a[i]: pairs of vectors folded within 128-bit
-// lanes (unpack, shuffle), then across them (shuffle_f32x4); 45 operations for 16 sums.
-BF16_DOT ALWAYS_INLINE __m512 reduce16(const __m512* a) {
-  __m512 x[8], y[4], z[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a02 b02 a13 b13
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: a b c d
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+// The folds of a horizontal sum of 16 vectors (lane i of the last: the sum of vector i's
+// lanes): pairs folded within 128-bit lanes (unpack, shuffle), then across them
+// (shuffle_f32x4); 45 operations for 16 sums.
+BF16_DOT ALWAYS_INLINE __m512 fold_pairs(__m512 a, __m512 b) {  // per 128-bit lane: a02 b02 a13 b13
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+BF16_DOT ALWAYS_INLINE __m512 fold_quads(__m512 x0, __m512 x1) {  // per 128-bit lane: a b c d
+  return _mm512_add_ps(_mm512_shuffle_ps(x0, x1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(x0, x1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+BF16_DOT ALWAYS_INLINE __m512 fold_halves(__m512 y0, __m512 y1) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+BF16_DOT ALWAYS_INLINE __m512 fold_last(__m512 z0, __m512 z1) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// s[c] = scale * <q, k[c]> for 16 keys: 32 input features (16 pairs) per vdpbf16ps.
-BF16_DOT inline void dot_scores16(const uint16_t* q, int dim, const c10::BFloat16* const* krow,
-                                  float scale, float* s) {
-  __m512 acc[16];
-  for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
+// The dot products of q with 4 keys from key c, folded to one vector (fold_quads of their
+// fold_pairs): 32 input features (16 pairs) per vdpbf16ps.
+BF16_DOT ALWAYS_INLINE __m512 dot_keys4(const uint16_t* q, int dim,
+                                        const c10::BFloat16* const* krow, int c) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int d = 0; d < dim; d += 32) {
     const __m512bh x = (__m512bh)_mm512_loadu_si512(q + d);
-    for (int c = 0; c < 16; ++c)
-      acc[c] = _mm512_dpbf16_ps(acc[c], x, (__m512bh)_mm512_loadu_si512(krow[c] + d));
+    a0 = _mm512_dpbf16_ps(a0, x, (__m512bh)_mm512_loadu_si512(krow[c] + d));
+    a1 = _mm512_dpbf16_ps(a1, x, (__m512bh)_mm512_loadu_si512(krow[c + 1] + d));
+    a2 = _mm512_dpbf16_ps(a2, x, (__m512bh)_mm512_loadu_si512(krow[c + 2] + d));
+    a3 = _mm512_dpbf16_ps(a3, x, (__m512bh)_mm512_loadu_si512(krow[c + 3] + d));
   }
-  _mm512_storeu_ps(s, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+  return fold_quads(fold_pairs(a0, a1), fold_pairs(a2, a3));
+}
+
+// s[c] = scale * <q, k[c]> for 16 keys, four at a time, each four folded as soon as it is done:
+// the 16 sums of all keys at once, folded at the end, went through the stack (zeroed, stored,
+// loaded again) in a call GCC did not inline. The same folds of the same sums, so the same bits.
+BF16_DOT ALWAYS_INLINE void dot_scores16(const uint16_t* q, int dim,
+                                         const c10::BFloat16* const* krow, float scale, float* s) {
+  const __m512 y0 = dot_keys4(q, dim, krow, 0), y1 = dot_keys4(q, dim, krow, 4);
+  const __m512 y2 = dot_keys4(q, dim, krow, 8), y3 = dot_keys4(q, dim, krow, 12);
+  const __m512 sums = fold_last(fold_halves(y0, y1), fold_halves(y2, y3));
+  _mm512_storeu_ps(s, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
 }
 
 // exp8 on 16 lanes, for softmax_rows<Lanes16> (the same steps: clamp, n = round(x log2 e), r
