@@ -1,5 +1,6 @@
 // fp32 -> bf16 on vectors, as c10::BFloat16 converts one value: rounded to nearest even at
-// bit 16, a NaN made the quiet 0x7fc0 (included by the product libraries of this folder).
+// bit 16, a NaN made the quiet 0x7fc0 (included by the C++ libraries of this folder: the
+// products and the fused decoder ops).
 #pragma once
 
 #include <cstdint>
@@ -24,16 +25,20 @@ __attribute__((target("avx512f"))) inline __m256i bf16_round16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-// 8 floats to 8 bf16 (AVX2).
-__attribute__((target("avx2"))) inline __m128i bf16_round8(__m256 v) {
+// The same on 8 lanes (AVX2): each lane's bf16 bits in its low half.
+__attribute__((target("avx2"))) inline __m256i bf16_round_bits8(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(nan));
-  r = _mm256_srli_epi32(r, 16);  // 0..65535: packus keeps them
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0-3 r0-3 | r4-7 r4-7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+// 8 floats to 8 bf16 (AVX2).
+__attribute__((target("avx2"))) inline __m128i bf16_round8(__m256 v) {
+  const __m256i r = bf16_round_bits8(v);  // values below 2^16: packus keeps them
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
 }  // namespace pagedllm_cpu

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "balanced_for.h"
+#include "bf16_round.h"
 
 #include <cmath>
 #include <algorithm>
@@ -57,23 +58,12 @@ inline __m256 bf16x8_load(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-inline __m256i bf16x8_round_bits(__m256 v) {  // the bf16 bits in the low half of each lane
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-}
-
 inline __m256 bf16x8_rounded(__m256 v) {  // v rounded to bf16, as fp32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_round_bits(v), 16));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pagedllm_cpu::bf16_round_bits8(v), 16));
 }
 
 inline void bf16x8_store(c10::BFloat16* p, __m256 v) {
-  const __m256i r = bf16x8_round_bits(v);  // values below 2^16: packus keeps them
-  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pagedllm_cpu::bf16_round8(v));
 }
 
 #endif
@@ -98,12 +88,7 @@ inline __m256i bf16x16_round(__m512 v) {
                                  _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                  _mm256_set1_epi16(0x7fc0));
 #endif
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
+  return pagedllm_cpu::bf16_round16(v);  // the integer steps (bf16_round.h)
 }
 
 inline __m512 bf16x16_rounded(__m512 v) { return bf16x16_widen(bf16x16_round(v)); }  // as fp32
