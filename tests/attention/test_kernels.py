@@ -20,6 +20,7 @@ from helpers.ci import unavailable
 from pagedllm.attention import cpu_kernels
 from pagedllm.attention.api import attention_varlen
 from pagedllm.attention.metadata import VarlenBatch
+from pagedllm.attention.tuning import get_tuning
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -283,28 +284,79 @@ def test_bf16_dot_path_matches_reference_and_the_vector_path(head_dim, block_siz
     assert differ  # two paths, not one taken twice (one key a row gives V on both)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_short_last_tile_computes_its_keys_padded_not_a_whole_tile(dtype):
-    """A decoding sequence of 70 keys on one thread (3 kv heads: 3 items, too few keys to
-    split): each item's keys are tiles of up to 64 (32 or 128 where the L1 cache says so), the
-    last holding 6 keys. The vdpbf16ps path (bf16 with AVX512-BF16) scores 80 keys an item
-    (64 + 16), the vector path 72 (64 + 8), not 128; the output is the reference's."""
+def _decode_tiles(dtype, keys: int) -> tuple[int, int]:
+    """One decoding sequence of `keys` keys on one thread (3 kv heads: 3 items, too few keys
+    to split), checked against the reference: the key tiles it ran and their padded keys."""
     if not cpu_kernels.load():
         unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
-    padded = 80 if dtype == torch.bfloat16 and cpu_has_bf16_dot() else 72
+    if get_tuning("cpu", 64, 3, dtype).block_n != 64:
+        pytest.skip("this L1 cache gives key tiles of other than 64")
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        case = random_case(random.Random(70), (dtype,), (64,))
-        case.q_lens, case.k_lens, case.window = [1], [70], (-1, -1)
+        case = random_case(random.Random(keys), (dtype,), (64,))
+        case.q_lens, case.k_lens, case.window = [1], [keys], (-1, -1)
         case.heads, case.kv_heads, case.causal = 9, 3, True
-        before, merges = cpu_kernels.tile_keys(), cpu_kernels.split_merges()
+        tiles, padded = cpu_kernels.key_tiles(), cpu_kernels.tile_keys()
+        merges = cpu_kernels.split_merges()
         out, lse, want, want_lse = run_case("cpu", case, 0, block_size=16)
         assert cpu_kernels.split_merges() == merges
-        assert cpu_kernels.tile_keys() - before == 3 * padded
         torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+        return cpu_kernels.key_tiles() - tiles, cpu_kernels.tile_keys() - padded
     finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_short_last_tile_computes_its_keys_padded_not_a_whole_tile(dtype):
+    """120 keys: a tile of 64 and one of the 56 left (more than half a tile: a tile of their
+    own). The vdpbf16ps path (bf16 with AVX512-BF16) pads the short one to 16 keys (64 + 64
+    an item), the vector path to 8 (64 + 56); fp32 a few rows on tiles of 32 (and a last of
+    up to 48): 32 + 32 + 32 + 24."""
+    dot = dtype == torch.bfloat16 and cpu_has_bf16_dot()
+    tiles, padded = _decode_tiles(dtype, 120)
+    assert (tiles, padded) == (3 * (2 if dtype != torch.float32 else 4), 3 * (128 if dot else 120))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_last_tile_of_half_a_tile_or_less_joins_the_one_before(dtype):
+    """70 keys: the 6 past the first 64 would be a tile of their own that costs what a whole
+    one does; they join it (up to block_n / 2 more keys), one tile of 70 an item, padded to
+    80 on the vdpbf16ps path and 72 on the vector path. fp32's tiles of 32 take the last 38
+    with the 32 before them (up to 16 more): 32 + 38."""
+    dot = dtype == torch.bfloat16 and cpu_has_bf16_dot()
+    tiles, padded = _decode_tiles(dtype, 70)
+    assert (tiles, padded) == (3 * (1 if dtype != torch.float32 else 2), 3 * (80 if dot else 72))
+
+
+def test_many_row_tiles_on_the_bf16_dot_path_take_twice_the_keys():
+    """Four 32-token prefill chunks at the end of 256 keys, GQA groups of 3 (96 rows a tile),
+    one thread: an item a sequence with its 3 kv heads, none split. On the vdpbf16ps path the
+    many-row tiles take 2 x 64 keys (their transposed keys and interleaved values are bf16,
+    the bytes of the L1 rule's fp32 tile): 2 tiles an item; the vector path keeps 64: 4."""
+    if not cpu_kernels.load():
+        unavailable("the C++ attention kernel did not build (no C++ toolchain?)")
+    if not cpu_has_bf16_dot():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 takes the vector path")
+    if get_tuning("cpu", 64, 3, torch.bfloat16).block_n != 64:
+        pytest.skip("this L1 cache gives key tiles of other than 64")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = random_case(random.Random(256), (torch.bfloat16,), (64,))
+        case.q_lens, case.k_lens, case.window = [32] * 4, [256] * 4, (-1, -1)
+        case.heads, case.kv_heads, case.causal = 9, 3, True
+        counts = []
+        for dot in (True, False):
+            cpu_kernels.bf16_dot(dot)
+            tiles, gemm = cpu_kernels.key_tiles(), cpu_kernels.gemm_tiles()
+            out, _, want, _ = run_case("cpu", case, 0, block_size=16)
+            torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+            counts.append((cpu_kernels.key_tiles() - tiles, cpu_kernels.gemm_tiles() - gemm))
+        assert counts == [(8, 8), (16, 16)]
+    finally:
+        cpu_kernels.bf16_dot(True)
         torch.set_num_threads(saved)
 
 

@@ -80,6 +80,13 @@ def tile_keys() -> int:
     return int(torch.ops.pagedllm_attention.tile_keys())
 
 
+def key_tiles() -> int:
+    """Key tiles the kernel has run so far in this process (each a pass of the online softmax
+    over up to block_n keys of one item, the last up to block_n / 2 longer; twice those on
+    the vdpbf16ps path's many-row tiles). load() must be True."""
+    return int(torch.ops.pagedllm_attention.key_tiles())
+
+
 def gemm_tiles() -> int:
     """Key tiles scored as a small GEMM so far in this process (many query rows a tile,
     prefill's: keys transposed once; on the vdpbf16ps path V pairs interleaved once too).

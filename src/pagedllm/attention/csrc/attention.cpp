@@ -193,6 +193,7 @@ struct Problem {
   float scale;
   int window_left, window_right;   // -1: unbounded (causal is window_right == 0)
   int block_m, block_n;
+  int tail_keys;                   // the last tile takes up to this many keys past block_n
   int kv_per_item;                 // kv heads handled by one work item (divides kv_heads)
   bool bf16_dot;                   // bf16 with AVX512-BF16 and dim % 32 == 0: the dot path
   const SplitGroup* groups;        // split keys (make_items): each group's chunks
@@ -201,6 +202,18 @@ struct Problem {
   const SharedSet* shared;         // shared prefixes (make_items): each set's members
   const int* member_seq;           // members' sequences
   const int* member_group;         // [member][kv group]: the member's split group
+
+  // Keys of the tile that starts `left` keys before its item's end: block_n, or all of them
+  // where no more than tail_keys would be left for a tile of their own. A short tile costs
+  // about what a whole one does (its scratch, its rescale of the sums, its slots' offsets): a
+  // decoding sequence of 70 keys is one tile, not 64 + 6. One process taking turns, two
+  // threads, 12 layers of the 125M model's heads, bf16: a 64-sequence decode behind a shared
+  // 256-key prefix (56-81 keys of its own) 7.55 -> 6.99 ms, 48 sequences of 96-480 keys 8.73
+  // -> 8.55 ms; one sequence, eight of 400-600 keys and a 2,048-token prefill unchanged.
+  int tile_keys(int64_t left) const {
+    return (int)(left <= block_n + tail_keys ? left : block_n);
+  }
+  int max_tile() const { return block_n + tail_keys; }
 };
 
 struct Item {
@@ -484,6 +497,15 @@ struct NextSlots {
     prefetch((int)(at * n / of), (int)((at + step) * n / of));
   }
 
+  // The slots from c on (none where there are no more than c).
+  NextSlots past(int c) const {
+    NextSlots rest = *this;
+    rest.n = std::max(0, n - c);
+    rest.koff += std::min(n, c);
+    rest.voff += std::min(n, c);
+    return rest;
+  }
+
   // prefetcht1 as an asm statement: GCC 12's dead-code elimination drops __builtin_prefetch
   // in this loop (it has no result), and the tile then waits on memory (measured 1.5x slower).
   // The address in a register, not a memory operand the compiler must keep stores ahead of.
@@ -647,14 +669,14 @@ NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, i
   NextSlots<T> next;
   if (j0 + n < hi) {
     next = {k + item.kv0 * p.k_head, v + item.kv0 * p.v_head, koff, voff,
-            (int)std::min<int64_t>(p.block_n, hi - j0 - n), bytes};
+            p.tile_keys(hi - j0 - n), bytes};
     key_offsets(p, item.seq, j0 + n, next.n, n_pad, koff, voff);
   } else if (after != nullptr) {
     int64_t lo, end;
     key_range(p, *after, &lo, &end);
     if (lo < end) {
       next = {k + after->kv0 * p.k_head, v + after->kv0 * p.v_head, koff, voff,
-              (int)std::min<int64_t>(p.block_n, end - lo), bytes};
+              p.tile_keys(end - lo), bytes};
       key_offsets(p, after->seq, lo, next.n, n_pad, koff, voff);
     }
   }
@@ -679,7 +701,7 @@ template <typename T>
 void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int n_pad,
                 int64_t* koff, int64_t* voff, int64_t bytes, Scratch& w) {
   if (lo < hi) {
-    const int n = (int)std::min<int64_t>(p.block_n, hi - lo);
+    const int n = p.tile_keys(hi - lo);
     key_offsets(p, item.seq, lo, n, n_pad, koff, voff);
     if (w.first) {
       prefetch_rows(static_cast<const T*>(p.k) + item.kv0 * p.k_head, koff, n, bytes);
@@ -691,8 +713,9 @@ void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int 
 
 // Split groups merged by this process (split_merges(): what the tests read), key tiles that
 // took the many-rows products (gemm_tiles()), shared-prefix items (shared_prefix_items())
-// and the keys the tiles computed, padded (tile_keys()).
+// and the key tiles run (key_tiles()) and the keys they computed, padded (tile_keys()).
 std::atomic<int64_t> merged_groups{0}, many_row_tiles{0}, shared_items{0}, padded_keys{0};
+std::atomic<int64_t> key_tile_count{0};
 std::atomic<int64_t> amx_key_tiles{0};  // key tiles multiplied on AMX (amx_tiles())
 
 // The query rows of query tile `tile` of sequence `seq`: its queries times the heads sharing a
@@ -1235,7 +1258,11 @@ AMX_BF16 void amx_pv_rows(const uint32_t* pairs, int pair_stride, int rows, cons
 // One key tile (n valid keys of n_pad, a multiple of 16) for the item's H kv heads. Memory is
 // walked in slot order: each group of 16 keys is scored for every head before the next group
 // (a slot's heads are adjacent), and P @ V goes over groups of 32 keys the same way, so the
-// lines of a block are read together rather than once per head pass.
+// lines of a block are read together rather than once per head pass. A few rows request the
+// next tile's slots while scoring (slot c + i of the next tile with key group c of this one),
+// and those past this tile's n_pad while multiplying P @ V: an item's short last tile (a
+// decode sequence's keys past its last whole tile) meets a whole tile of the next item, whose
+// slots past the short one's n_pad were otherwise not requested at all.
 BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0, int n,
                        int n_pad, const NextSlots<c10::BFloat16>& next) {
   const int D = p.dim, pair_stride = n_pad / 2;
@@ -1301,9 +1328,11 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
     if (tiles) amx_release();
     return;
   }
+  const NextSlots<c10::BFloat16> beyond = next.past(n_pad);
   for (int c = 0; c < n_pad; c += 32) {
     const int c1 = std::min(n_pad, c + 32);
-    for (int h = 0; h < H; ++h)
+    for (int h = 0; h < H; ++h) {
+      beyond.prefetch_share(c / 32 * H + h, 1, (n_pad + 31) / 32 * H);
       row_blocks(rows, [&](int r, auto R) {
         const int64_t row = (int64_t)h * rows + r;
         dot_pv_rows<decltype(R)::value>(w.pb.data() + row * pair_stride,
@@ -1312,19 +1341,20 @@ BF16_DOT void dot_tile(const Problem& p, Scratch& w, int H, int rows, int64_t j0
                                         c == 0 ? w.alpha.data() + row : nullptr,
                                         w.o.data() + row * D, D);
       });
+    }
   }
 }
 
 // attend() for bf16 K/V on the dot path: the same items, tiles and online softmax. `after`:
 // the item this thread takes next (its first tile is prefetched during this one's last).
-void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scratch& w) {
+void attend_bf16_tiles(const Problem& p, const Item& item, const Item* after, Scratch& w) {
   using T = c10::BFloat16;
   const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
   const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start;
   const int t0 = item.tile * p.block_m, t1 = std::min(len_q, t0 + p.block_m);
   const SharedSet* set = item.shared >= 0 ? &p.shared[item.shared] : nullptr;
   const int rows = set != nullptr ? set->rows : (t1 - t0) * G;  // a set: member after member
-  const int n_pad = (p.block_n + 15) / 16 * 16;
+  const int n_pad = (p.max_tile() + 15) / 16 * 16;
   w.qb.resize((size_t)H * rows * D);
   w.o.assign((size_t)H * rows * D, 0.0f);
   w.m.assign((size_t)H * rows, kNegInf);
@@ -1366,14 +1396,15 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   int64_t *koff_next = koff + n_pad, *voff_next = voff + n_pad;
   const int64_t slot_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
   first_tile<T>(p, item, lo, hi, n_pad, koff, voff, slot_bytes, w);
-  for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
-    const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
+  for (int64_t j0 = lo, n = 0; j0 < hi; j0 += n) {
+    n = p.tile_keys(hi - j0);
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, slot_bytes);
     // A short tile (an item's last) is padded to 16 keys, not to a whole tile: decode items
     // end on one most of the time, and a 64-key tile for a few keys was most of their work.
     const int tile_pad = (n + 15) / 16 * 16;
     padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
+    key_tile_count.fetch_add(1, std::memory_order_relaxed);
     for (int h = 0; h < H; ++h)
       for (int c = 0; c < tile_pad; ++c) {
         w.krow[(size_t)h * tile_pad + c] = kbase + koff[c] + h * p.k_head;
@@ -1385,6 +1416,23 @@ void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scra
   }
   if (set != nullptr) return finish_shared<T, dot_pos>(p, item, *set, rows, w);
   finish<T, dot_pos>(p, item, q_start, t0, rows, w);
+}
+
+// An item on the dot path. Many rows (a prefill tile, a shared prefix's set) take key tiles
+// of twice the L1 rule's block_n: the rule counts fp32 keys, and this path's transposed keys
+// and interleaved values are bf16, so the doubled tile is the rule's bytes. One process taking
+// turns, two threads, 12 layers of the 125M model's heads: a 2,048-token prefill 456 -> 418 ms,
+// 53 chunks of 40-50 tokens behind a 240-key prefix 132 -> 127 ms, a 64-sequence decode behind
+// a shared 256-key prefix 6.73 -> 6.62 ms; a few rows keep the rule's tile (a 48-sequence decode
+// of 96-480 keys took 4-6% longer at twice the keys).
+void attend_bf16_dot(const Problem& p, const Item& item, const Item* after, Scratch& w) {
+  const int rows = item.shared >= 0 ? p.shared[item.shared].rows
+                                    : tile_rows(p, item.seq, item.tile);
+  if (rows < kManyRows) return attend_bf16_tiles(p, item, after, w);
+  Problem wide = p;
+  wide.block_n = 2 * p.block_n;
+  wide.tail_keys = 2 * p.tail_keys;
+  attend_bf16_tiles(wide, item, after, w);
 }
 #else
 bool cpu_has_bf16_dot() { return false; }
@@ -1409,6 +1457,7 @@ void attend(const Problem& p, const Item& item, const Item* after, Scratch& w) {
     if (!many_rows(tile_rows(p, item.seq, item.tile)) && p.block_n >= 32) {
       Problem half = p;
       half.block_n = p.block_n / 2;
+      half.tail_keys = p.tail_keys / 2;
       return attend_tiles<T>(half, item, after, w);
     }
   }
@@ -1421,7 +1470,7 @@ void attend_tiles(const Problem& p, const Item& item, const Item* after, Scratch
   const int b = item.seq, D = p.dim, G = p.heads / p.kv_heads, H = p.kv_per_item;
   const int q_start = p.cu_q[b], len_q = p.cu_q[b + 1] - q_start, len_k = p.seq_lens_k[b];
   const int t0 = item.tile * p.block_m, rows = tile_rows(p, item.seq, item.tile);
-  const int n_pad = (p.block_n + 7) / 8 * 8;
+  const int n_pad = (p.max_tile() + 7) / 8 * 8;
   // Many rows: the keys transposed into fp32 once a tile, the values widened to fp32 rows.
   const bool many = many_rows(rows), widen = many && !std::is_same<T, float>::value;
   w.q.resize((size_t)H * rows * D);
@@ -1452,13 +1501,14 @@ void attend_tiles(const Problem& p, const Item& item, const Item* after, Scratch
   float* vf = w.vf.data();
   const int64_t* dense = w.dense.data();
   first_tile<T>(p, item, lo, hi, n_pad, koff, voff, row_bytes, w);
-  for (int64_t j0 = lo; j0 < hi; j0 += p.block_n) {
-    const int n = (int)std::min<int64_t>(p.block_n, hi - j0);
+  for (int64_t j0 = lo, n = 0; j0 < hi; j0 += n) {
+    n = p.tile_keys(hi - j0);
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, row_bytes);
     // A short tile (an item's last) is scored padded to 8 keys, not to a whole tile.
     const int tile_pad = (n + 7) / 8 * 8;
     padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
+    key_tile_count.fetch_add(1, std::memory_order_relaxed);
     if (many) many_row_tiles.fetch_add(1, std::memory_order_relaxed);
     for (int h = 0; h < H; ++h) {
       const int kv = item.kv0 + h;
@@ -1704,6 +1754,7 @@ int64_t split_merges() { return merged_groups.load(); }
 int64_t gemm_tiles() { return many_row_tiles.load(); }
 int64_t shared_prefix_items() { return shared_items.load(); }
 int64_t tile_keys() { return padded_keys.load(); }
+int64_t key_tiles() { return key_tile_count.load(); }
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& cu_seqlens_q,
@@ -1766,6 +1817,7 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.window_left = (int)window_left;
   p.window_right = (int)window_right;
   p.block_n = (int)std::max<int64_t>(2, block_n);
+  p.tail_keys = p.block_n / 2;
   p.block_m = (int)std::max<int64_t>(1, block_m);
   p.bf16_dot = q.scalar_type() == at::kBFloat16 && p.dim % 32 == 0 && bf16_dot_enabled();
   Splits splits;
@@ -1793,4 +1845,5 @@ TORCH_LIBRARY(pagedllm_attention, m) {
   m.def("gemm_tiles() -> int", &gemm_tiles);
   m.def("shared_prefix_items() -> int", &shared_prefix_items);
   m.def("tile_keys() -> int", &tile_keys);
+  m.def("key_tiles() -> int", &key_tiles);
 }
