@@ -117,6 +117,35 @@ def test_many_rows_of_few_panel_groups_split_into_blocks_of_rows_with_the_same_b
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_tiles_request_each_panel_group_but_the_first_once_ahead(dtype):
+    """Beyond 6 rows each row tile asks for its share of the next panel group's lines (of the
+    same slice of K) while it computes, so that the next group's first tile does not wait on
+    memory. On one thread each group's slice but the first is asked for once (a line: one
+    step of K of a panel, 16 fp32 inputs or 16 bf16 pairs). 64 rows, 4 groups of 4 panels,
+    K = 128: 3 groups. K = 2,048 in slices of 768 steps, 2 groups: all but the first group's
+    first slice. 6 rows stream the weight and request their own lines (none counted here)."""
+    isa = "avx512_bf16" if AMX and dtype == torch.bfloat16 else None  # AMX: its own tiles
+    steps = lambda k: k if dtype == torch.float32 else k // 2  # noqa: E731
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows, (n, k), lines in (
+            (64, (256, 128), 3 * 4 * steps(128)),
+            (64, (128, 2048), 4 * (2 * steps(2048) - 768)),
+            (6, (256, 128), 0),
+        ):
+            w, x = torch.randn(n, k).to(dtype), torch.randn(rows, k).to(dtype)
+            start = panel_gemm.ahead_lines()
+            y = panel_gemm.linear(x, panel_gemm.pack(w), None, isa)
+            assert panel_gemm.ahead_lines() - start == lines, (rows, n, k)
+            want = x.double() @ w.double().T
+            tol = 1e-4 if dtype == torch.float32 else 5e-2
+            torch.testing.assert_close(y.double(), want, atol=tol * k**0.5, rtol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_panel_products_give_the_same_bits_on_any_number_of_threads(threads):
     """Every panel product hands chunks of panels to threads as they finish (few rows

@@ -69,6 +69,13 @@ def row_blocks() -> int:
     return torch.ops.pagedllm_panel.row_blocks() if load() else 0
 
 
+def ahead_lines() -> int:
+    """64-byte lines of weight that products of more than 6 rows have requested a panel group
+    ahead in this process: each row tile asks for its share of the next group's slice while
+    it computes, so that the group's first tile does not wait on memory."""
+    return torch.ops.pagedllm_panel.ahead_lines() if load() else 0
+
+
 def packable(weight: torch.Tensor) -> bool:
     """A CPU float32 / bfloat16 [N, K] weight with N a multiple of 16 (and K even in bf16)."""
     if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
