@@ -207,7 +207,9 @@ def test_many_rows_on_avx512_vnni_pass_two_weight_blocks_at_once_with_the_scalar
     """Beyond two rows, AVX-512 VNNI multiplies two weight blocks (32 outputs) a pass, up to 8
     rows: with 7 blocks (an odd one left to the one-block kernel) and with a partial last
     block (40 outputs), the outputs are the scalar kernel's; the pair passes are counted (one
-    per 2 blocks and 8 rows), and one or two rows take none."""
+    per 2 blocks and 8 rows), and one or two rows take none. Each pair with another pair
+    after it requests that pair's lines (one a group of 4 inputs and block) while its passes
+    run: 7 blocks, pairs 0-1 and 2-3 ask for 2-3 and 4-5; 3 blocks, none."""
     if "avx512_vnni" not in runnable_isas(127):
         unavailable("this CPU has no AVX-512 VNNI")
     torch.manual_seed(m)
@@ -215,12 +217,14 @@ def test_many_rows_on_avx512_vnni_pass_two_weight_blocks_at_once_with_the_scalar
         x = torch.randn(m, 130) * 3
         q, scale = quantize_weight(torch.randn(n, 130))
         packed, rowsum = cpu_int8.pack(q)
-        before = cpu_int8.pair_passes()
+        before, lines = cpu_int8.pair_passes(), cpu_int8.ahead_lines()
         got = cpu_int8.linear(x, packed, rowsum, scale, 127, isa="avx512_vnni")
         passes = cpu_int8.pair_passes() - before
+        lines = cpu_int8.ahead_lines() - lines
         scalar = cpu_int8.linear(x, packed, rowsum, scale, 127, isa="scalar")
         assert torch.equal(got, scalar), (m, n)
         assert passes == -(-m // 8) * (n // 32), (m, n)
-    before = cpu_int8.pair_passes()
+        assert lines == (2 * 2 * packed.size(1) if n == 112 else 0), (m, n)
+    before, lines = cpu_int8.pair_passes(), cpu_int8.ahead_lines()
     cpu_int8.linear(torch.randn(2, 130), packed, rowsum, scale, 127, isa="avx512_vnni")
-    assert cpu_int8.pair_passes() == before
+    assert (cpu_int8.pair_passes(), cpu_int8.ahead_lines()) == (before, lines)

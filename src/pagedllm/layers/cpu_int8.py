@@ -56,6 +56,12 @@ def pair_passes() -> int:
     return int(torch.ops.pagedllm_int8.pair_passes())
 
 
+def ahead_lines() -> int:
+    """64-byte lines of weight that the two-block passes (more than two rows on AVX-512 VNNI)
+    have requested a pair of blocks ahead so far in this process. load() must be True."""
+    return int(torch.ops.pagedllm_int8.ahead_lines())
+
+
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] -> (packed blocks, int32 row sums) for :func:`linear`."""
     return torch.ops.pagedllm_int8.int8_pack(weight)
