@@ -146,6 +146,35 @@ def test_many_row_tiles_request_each_panel_group_but_the_first_once_ahead(dtype)
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_products_of_many_rows_request_each_slice_but_the_first_once_ahead(bits):
+    """Beyond 8 rows a quantized product dequantizes a slice of 1,024 input features of a panel
+    group at a time; while the row tiles run on it, they request the codes of the next slice
+    (the group's, else the next group's first). On one thread each slice's codes but the first
+    are requested once: 2 groups x 2 slices of 32 blocks, 4 panels a block of 512 bytes (int8)
+    or 256 (int4): 3 slices' lines. 8 rows take the small-row kernels (none counted here)."""
+    from pagedllm.layers import weight_only
+
+    isa = "avx512_bf16" if AMX else None  # AMX: its own tiles
+    packed = weight_only.in_panels(weight_only.quantize(torch.randn(128, 2048), bits, 32))
+    w = packed.dequantize()
+    slice_lines = 32 * 4 * (512 if bits == 8 else 256) // 64
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows, lines in ((16, 3 * slice_lines), (8, 0)):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, 2048).to(dtype)
+                start = panel_gemm.ahead_lines()
+                y = weight_only.panel_linear(x, packed, None, isa)
+                assert panel_gemm.ahead_lines() - start == lines, (rows, dtype)
+                want = x.double() @ w.double().T
+                tol = 1e-4 if dtype == torch.float32 else 5e-2
+                torch.testing.assert_close(y.double(), want, atol=tol * 2048**0.5, rtol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_panel_products_give_the_same_bits_on_any_number_of_threads(threads):
     """Every panel product hands chunks of panels to threads as they finish (few rows

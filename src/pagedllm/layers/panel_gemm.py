@@ -70,9 +70,10 @@ def row_blocks() -> int:
 
 
 def ahead_lines() -> int:
-    """64-byte lines of weight that products of more than 6 rows have requested a panel group
-    ahead in this process: each row tile asks for its share of the next group's slice while
-    it computes, so that the group's first tile does not wait on memory."""
+    """64-byte lines of weight that products of more than 6 rows (float panels) or 8 rows
+    (quantized panels: their codes) have requested a panel group or slice ahead in this
+    process: each row tile asks for its share of what comes next while it computes, so that
+    the next group's first tile (or its dequantization) does not wait on memory."""
     return torch.ops.pagedllm_panel.ahead_lines() if load() else 0
 
 
