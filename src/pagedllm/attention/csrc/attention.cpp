@@ -210,7 +210,7 @@ struct Problem {
   // threads, 12 layers of the 125M model's heads, bf16: a 64-sequence decode behind a shared
   // 256-key prefix (56-81 keys of its own) 7.55 -> 6.99 ms, 48 sequences of 96-480 keys 8.73
   // -> 8.55 ms; one sequence, eight of 400-600 keys and a 2,048-token prefill unchanged.
-  int tile_keys(int64_t left) const {
+  int tile_length(int64_t left) const {
     return (int)(left <= block_n + tail_keys ? left : block_n);
   }
   int max_tile() const { return block_n + tail_keys; }
@@ -669,14 +669,14 @@ NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, i
   NextSlots<T> next;
   if (j0 + n < hi) {
     next = {k + item.kv0 * p.k_head, v + item.kv0 * p.v_head, koff, voff,
-            p.tile_keys(hi - j0 - n), bytes};
+            p.tile_length(hi - j0 - n), bytes};
     key_offsets(p, item.seq, j0 + n, next.n, n_pad, koff, voff);
   } else if (after != nullptr) {
     int64_t lo, end;
     key_range(p, *after, &lo, &end);
     if (lo < end) {
       next = {k + after->kv0 * p.k_head, v + after->kv0 * p.v_head, koff, voff,
-              p.tile_keys(end - lo), bytes};
+              p.tile_length(end - lo), bytes};
       key_offsets(p, after->seq, lo, next.n, n_pad, koff, voff);
     }
   }
@@ -701,7 +701,7 @@ template <typename T>
 void first_tile(const Problem& p, const Item& item, int64_t lo, int64_t hi, int n_pad,
                 int64_t* koff, int64_t* voff, int64_t bytes, Scratch& w) {
   if (lo < hi) {
-    const int n = p.tile_keys(hi - lo);
+    const int n = p.tile_length(hi - lo);
     key_offsets(p, item.seq, lo, n, n_pad, koff, voff);
     if (w.first) {
       prefetch_rows(static_cast<const T*>(p.k) + item.kv0 * p.k_head, koff, n, bytes);
@@ -1397,7 +1397,7 @@ void attend_bf16_tiles(const Problem& p, const Item& item, const Item* after, Sc
   const int64_t slot_bytes = (int64_t)H * p.k_head * sizeof(T);  // this item's heads of a slot
   first_tile<T>(p, item, lo, hi, n_pad, koff, voff, slot_bytes, w);
   for (int64_t j0 = lo, n = 0; j0 < hi; j0 += n) {
-    n = p.tile_keys(hi - j0);
+    n = p.tile_length(hi - j0);
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, slot_bytes);
     // A short tile (an item's last) is padded to 16 keys, not to a whole tile: decode items
@@ -1502,7 +1502,7 @@ void attend_tiles(const Problem& p, const Item& item, const Item* after, Scratch
   const int64_t* dense = w.dense.data();
   first_tile<T>(p, item, lo, hi, n_pad, koff, voff, row_bytes, w);
   for (int64_t j0 = lo, n = 0; j0 < hi; j0 += n) {
-    n = p.tile_keys(hi - j0);
+    n = p.tile_length(hi - j0);
     const NextSlots<T> next =
         next_slots<T>(p, item, after, j0, n, hi, n_pad, koff_next, voff_next, row_bytes);
     // A short tile (an item's last) is scored padded to 8 keys, not to a whole tile.

@@ -26,6 +26,7 @@
 
 #include "balanced_for.h"
 #include "bf16_round.h"
+#include "l2_prefetch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -138,10 +139,7 @@ void block_scalar(const int8_t* w, const uint8_t* xu, int64_t kp, int m, int32_t
 // 125M model's small layers at 15-20 GB/s.
 constexpr int64_t kPrefetchAhead = 4096;
 
-// prefetcht1 as an asm statement, its address in a register (panel_gemm.cpp's to_l2 says why).
-inline void to_l2(const void* line) {
-  asm volatile("prefetcht1 (%0)" : : "r"(line));
-}
+using pagedllm_cpu::to_l2;
 
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_avx512vnni(
@@ -562,7 +560,7 @@ void int8_products(Isa i, const uint8_t* xu, const float* step, int64_t m, int64
   };
   balanced_for(nb, blocks, [&](int64_t b0, int64_t b1) {
     int32_t acc[2 * kMaxM * kRows];
-    int64_t passes = 0, ahead = 0;
+    int64_t passes = 0, requested = 0;
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);
       int64_t bi = b0;
@@ -573,7 +571,7 @@ void int8_products(Isa i, const uint8_t* xu, const float* step, int64_t m, int64
         // requested a share a pass
         const int64_t next = bi + 4 <= nb ? bi + 2 : -1;
         const int64_t lines = next >= 0 ? 2 * block_bytes / 64 : 0;
-        ahead += lines;
+        requested += lines;
         const char* next_pair =
             reinterpret_cast<const char*>(w + std::max<int64_t>(0, next) * block_bytes);
         for (int64_t r0 = c0; r0 < c1; r0 += kPairRows) {
@@ -595,7 +593,7 @@ void int8_products(Isa i, const uint8_t* xu, const float* step, int64_t m, int64
         }
     }
     if (passes > 0) pair_pass_count.fetch_add(passes, std::memory_order_relaxed);
-    if (ahead > 0) ahead_line_count.fetch_add(ahead, std::memory_order_relaxed);
+    if (requested > 0) ahead_line_count.fetch_add(requested, std::memory_order_relaxed);
   });
 }
 

@@ -22,6 +22,7 @@
 
 #include "balanced_for.h"
 #include "bf16_round.h"
+#include "l2_prefetch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -51,6 +52,9 @@ using pagedllm_cpu::balanced_for;
 #if PAGEDLLM_X86
 using pagedllm_cpu::bf16_round16;
 using pagedllm_cpu::bf16_rounded_bits;
+#endif
+#if PAGEDLLM_X86 && defined(__GNUC__)
+using pagedllm_cpu::to_l2;
 #endif
 
 constexpr int64_t kPanel = 16;     // output features per panel: one 512-bit vector of fp32
@@ -141,19 +145,15 @@ struct Tile {
   int ahead_nr;      // panels of the next group
 };
 
+// A row tile's share `i` of `tiles` of the `lines` a product requests ahead.
+template <typename T>
+inline void ahead_share(Tile<T>& t, int64_t i, int64_t tiles, int64_t lines) {
+  t.ahead_first = i * lines / tiles;
+  t.ahead_lines = (i + 1) * lines / tiles - t.ahead_first;
+}
 
 #define ALWAYS_INLINE_PANEL inline __attribute__((always_inline))
 #if PAGEDLLM_X86 && defined(__GNUC__)
-
-// prefetcht1 as an asm statement: GCC 12 drops _mm_prefetch / __builtin_prefetch (they have no
-// result) from inline helpers like the ones below, and the kernels then ran with no software
-// prefetch at all. The address goes in a register: as a memory operand ("m") the compiler
-// took the asm for a read of memory that might be the tile's sums and stored all of them on
-// every step of K (fp32 panels at 32-64 rows ran at half of oneDNN's rate). The tests check
-// the built library for both.
-inline void to_l2(const void* line) {
-  asm volatile("prefetcht1 (%0)" : : "r"(line));
-}
 
 // A row tile that streams the weight (up to kMaxMR rows: each weight read once) requests each
 // panel's stream kPanelAheadBytes ahead into L2; past the group's last step, the same place in
@@ -173,11 +173,14 @@ struct Ahead {
   const T* line;     // panel j's line of step s
   int64_t panel, width, left;
   int nr, j;
-  Ahead(const Tile<T>& t, int64_t width) : panel(t.panel), width(width), left(0), nr(1), j(0) {
+  int per;           // lines a step of K, enough for the tile's share over its steps
+  Ahead(const Tile<T>& t, int64_t width)
+      : panel(t.panel), width(width), left(0), nr(1), j(0), per(0) {
     line = t.ahead;
     if (line == nullptr) return;
     nr = t.ahead_nr;
     left = t.ahead_lines;
+    per = int((left + t.k1 - t.k0 - 1) / (t.k1 - t.k0));
     const int64_t s = t.ahead_first / nr;
     j = int(t.ahead_first - s * nr);
     line += j * panel + s * width;
@@ -192,6 +195,9 @@ struct Ahead {
       j = 0;
       line += width - (nr - 1) * panel;
     }
+  }
+  ALWAYS_INLINE_PANEL void advance() {  // one step of K's share
+    for (int u = 0; u < per; ++u) step();
   }
 };
 
@@ -245,10 +251,9 @@ __attribute__((target("avx512f"))) void tile_f32(const Tile<float>& t) {
   load_acc<MR, NR>(t, acc);
   const float* w = t.w;
   Ahead<float> ahead(t, kPanel);
-  const int per = int((ahead.left + t.k1 - t.k0 - 1) / (t.k1 - t.k0));
   for (int64_t k = t.k0; k < t.k1; ++k) {
     prefetch_panels<float, NR>(t, k, kPanel);
-    for (int u = 0; u < per; ++u) ahead.step();
+    ahead.advance();
     __m512 b[NR];
     for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_ps(w + j * t.panel + k * kPanel);
     for (int i = 0; i < MR; ++i) {
@@ -271,10 +276,9 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_dp(const Tile<at::B
   load_acc<MR, NR>(t, acc);
   const at::BFloat16* w = t.w;
   Ahead<at::BFloat16> ahead(t, 2 * kPanel);
-  const int per = int((ahead.left + t.k1 - t.k0 - 1) / (t.k1 - t.k0));
   for (int64_t k = t.k0; k < t.k1; ++k) {  // k: a pair of input features
     prefetch_panels<at::BFloat16, NR>(t, k, 2 * kPanel);
-    for (int u = 0; u < per; ++u) ahead.step();
+    ahead.advance();
     __m512i b[NR];
     for (int j = 0; j < NR; ++j)
       b[j] = _mm512_loadu_si512(w + j * t.panel + k * 2 * kPanel);
@@ -294,10 +298,9 @@ __attribute__((target("avx512f"))) void tile_bf16_fma(const Tile<at::BFloat16>& 
   const at::BFloat16* w = t.w;
   const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
   Ahead<at::BFloat16> ahead(t, 2 * kPanel);
-  const int per = int((ahead.left + t.k1 - t.k0 - 1) / (t.k1 - t.k0));
   for (int64_t k = t.k0; k < t.k1; ++k) {
     prefetch_panels<at::BFloat16, NR>(t, k, 2 * kPanel);
-    for (int u = 0; u < per; ++u) ahead.step();
+    ahead.advance();
     for (int j = 0; j < NR; ++j) {
       const __m512i v = _mm512_loadu_si512(w + j * t.panel + k * 2 * kPanel);
       const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -517,6 +520,7 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
   t.ys = y.stride(0);
   // the prefetch runs on past p1: a thread's next chunk is the group after (balanced_for)
   if (m <= kMaxMR) t.w_end = w.data_ptr<T>() + w.size(0) * panel;
+  int64_t requested = 0;  // lines requested a group ahead (ahead_lines(), counted once a call)
   for (int64_t k0 = 0; k0 < steps; k0 += slice) {
     t.k0 = k0;
     t.k1 = std::min(steps, k0 + slice);
@@ -539,13 +543,11 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
         t.ahead_nr = int(std::min<int64_t>(kMaxNR, w.size(0) - next));
         t.ahead = w.data_ptr<T>() + next * panel + next_k0 * width;
         lines = t.ahead_nr * (std::min(steps, next_k0 + slice) - next_k0);
-        ahead_line_count.fetch_add(lines, std::memory_order_relaxed);
+        requested += lines;
       }
       for (int64_t r = r0; r < r1; r += kMaxMR) {
         const int mr = int(std::min<int64_t>(kMaxMR, r1 - r));
-        const int64_t i = (r - r0) / kMaxMR;
-        t.ahead_first = i * lines / tiles;
-        t.ahead_lines = (i + 1) * lines / tiles - t.ahead_first;
+        ahead_share(t, (r - r0) / kMaxMR, tiles, lines);
         t.x = x.data_ptr<T>() + r * t.xs;
         t.y = y.data_ptr<T>() + r * t.ys + p * kPanel;
         t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
@@ -553,6 +555,7 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
       }
     }
   }
+  if (requested > 0) ahead_line_count.fetch_add(requested, std::memory_order_relaxed);
 }
 
 // ---- quantized panels (weight-only int8 / int4) ---------------------------------------------
@@ -1058,6 +1061,7 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
   t.panel = kQuantSliceK * kPanel;  // elements per panel of the scratch, either layout
   t.ys = y.stride(0);
   t.w = scratch.data();
+  int64_t requested = 0;  // lines of codes requested a slice ahead (counted once a call)
   dequantized_slices(q, p0, p1, scratch.data(), [&](int64_t p, int nr, int64_t k0, int64_t k1) {
     t.bias = bias != nullptr ? bias + p * kPanel : nullptr;
     t.k0 = 0;
@@ -1080,19 +1084,18 @@ void quant_panels(const at::Tensor& x, const Quant& q, const float* bias, at::Te
       t.ahead = reinterpret_cast<const T*>(q.block(first, kn / 32));
       t.ahead_nr = 1;
       lines = blocks * q.in_group(first) * (q.int4 ? 16 : 32) * kPanel / 64;
-      ahead_line_count.fetch_add(lines, std::memory_order_relaxed);
+      requested += lines;
     }
     for (int64_t r = 0; r < m; r += kMaxMR) {
       const int mr = int(std::min<int64_t>(kMaxMR, m - r));
-      const int64_t i = r / kMaxMR;
-      t.ahead_first = i * lines / tiles;
-      t.ahead_lines = (i + 1) * lines / tiles - t.ahead_first;
+      ahead_share(t, r / kMaxMR, tiles, lines);
       t.x = x.data_ptr<T>() + r * t.xs + k0;
       t.y = y.data_ptr<T>() + r * t.ys + p * kPanel;
       t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
       tile_any<T>(mr, nr, t);
     }
   });
+  if (requested > 0) ahead_line_count.fetch_add(requested, std::memory_order_relaxed);
 }
 
 // quant_panels for a bfloat16 x on AMX: each dequantized slice (bf16 pairs, the float panel
