@@ -257,6 +257,41 @@ def test_bf16_outputs_round_to_nearest_even_like_torch(isa, rows):
     assert torch.isnan(panel_gemm.linear(x, panel_gemm.pack(w), None, isa)[0]).all()
 
 
+@pytest.mark.parametrize("isa", BF16_ISAS)
+@pytest.mark.parametrize("rows,k", [(1, 576), (5, 576), (7, 576), (64, 768), (9, 6002)])
+def test_bf16_products_in_float32_hold_the_widened_bf16_results(isa, rows, k):
+    """out_dtype float32 (an LM head's logits): y holds exactly .float() of the bfloat16 y, on
+    every tile path (one row, a few, many, K in slices; AMX where the CPU has it)."""
+    torch.manual_seed(rows)
+    w = panel_gemm.pack(torch.randn(96, k).to(torch.bfloat16))
+    x, bias = torch.randn(rows, k).to(torch.bfloat16), torch.randn(96)
+    for b in (None, bias):
+        y = panel_gemm.linear(x, w, b, isa, out_dtype=torch.float32)
+        assert y.dtype == torch.float32 and y.shape == (rows, 96)
+        assert torch.equal(y, panel_gemm.linear(x, w, b, isa).float())
+    fp32 = panel_gemm.pack(torch.randn(96, k))  # float32 x: out_dtype float32 is its own dtype
+    x32 = torch.randn(rows, k)
+    assert torch.equal(
+        panel_gemm.linear(x32, fp32, None, out_dtype=torch.float32),
+        panel_gemm.linear(x32, fp32, None),
+    )
+    with pytest.raises(RuntimeError, match="out_dtype is x's dtype or float32"):
+        panel_gemm.linear(x32, fp32, None, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_panels_are_the_plain_weights_rows(dtype):
+    """The embedding lookup in panels (the C++ gather): any ids, repeated, in any order; an id
+    outside the table is refused."""
+    w = torch.randn(80, 24).to(dtype)
+    panels = panel_gemm.pack(w)
+    ids = torch.tensor([0, 79, 17, 17, 16, 15, 64, 3])
+    assert torch.equal(panel_gemm.rows(panels, ids), w[ids])
+    assert panel_gemm.rows(panels, ids[:0]).shape == (0, 24)
+    with pytest.raises(RuntimeError, match=r"id 80 outside \[0, 80\)"):
+        panel_gemm.rows(panels, torch.tensor([2, 80]))
+
+
 def test_an_isa_the_cpu_lacks_is_refused():
     w = panel_gemm.pack(torch.randn(16, 4))
     with pytest.raises(RuntimeError, match="isa is amx_bf16, avx512_bf16 or avx512"):
@@ -321,6 +356,8 @@ def test_a_tied_embedding_and_lm_head_share_one_set_of_panels(model_factory, mon
     hidden = hidden.to(embed.weight_panels.dtype)
     tol = 1e-5 if dtype == "float32" else 2e-2
     torch.testing.assert_close(head(hidden), plain.lm_head(hidden), rtol=tol, atol=tol)
+    logits = model.compute_logits(hidden)  # float32, written by the product itself
+    assert logits.dtype == torch.float32 and torch.equal(logits, head(hidden).float())
     panel_gemm.unpack_layers([embed, head])  # back to one shared plain weight
     assert head.weight is embed.weight and torch.equal(
         embed.weight, plain.model.embed_tokens.weight

@@ -150,7 +150,9 @@ def test_bf16_decode_matches_transformers_bf16_under_the_top5_criterion(hf_token
     in_panels = llm.llm_engine.model.lm_head.weight_panels is not None
     module, name = (panel_gemm, "linear") if in_panels else (cpu_fused, "gemv")
     real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda x, w, b: head_rows.append(x.dtype) or real(x, w, b))
+    monkeypatch.setattr(
+        module, name, lambda x, w, b, **kw: head_rows.append(x.dtype) or real(x, w, b, **kw)
+    )
     matched = _chat_prompts_matched(llm, hf, hf_tokenizer, ("pagedllm bf16", "transformers bf16"))
     assert head_rows and set(head_rows) == {torch.bfloat16}
     assert sum(matched) >= len(CHAT_PROMPTS) * 6, matched

@@ -78,6 +78,15 @@ class ParallelLMHead(VocabParallelEmbedding):
             return cpu_fused.float_linear(hidden, self.weight, None)
         return F.linear(hidden, self.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        logits = self.comm.all_gather(self.local_logits(hidden), dim=-1)
+    def forward(
+        self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        """The logits, in hidden's dtype or out_dtype (float32 for sampling: from bfloat16
+        panels the product writes the widened bfloat16 logits itself, one pass fewer)."""
+        if out_dtype is not None and self.weight_panels is not None:
+            local = panel_gemm.linear(hidden, self.weight_panels, None, out_dtype=out_dtype)
+        else:
+            local = self.local_logits(hidden)
+            local = local if out_dtype is None else local.to(out_dtype)
+        logits = self.comm.all_gather(local, dim=-1)
         return logits[:, : self.vocab_size]

@@ -108,6 +108,8 @@ def unpack(panels: torch.Tensor) -> torch.Tensor:
 
 def rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` [T] of the plain weight, [T, K]: an embedding lookup in panels."""
+    if load():
+        return torch.ops.pagedllm_panel.panel_rows(panels, ids.long())
     groups, steps, width = panels.shape
     if width == PANEL:  # float32
         return panels[ids // PANEL, :, ids % PANEL]
@@ -134,15 +136,20 @@ def int8_activations(enable: bool | None = None) -> bool:
 
 
 def linear(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    isa: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [..., K] W^T + bias with W in panels; x of the panels' dtype. isa: avx512 runs
-    bfloat16 without AVX512-BF16's dot product (default: the best this CPU has)."""
+    bfloat16 without AVX512-BF16's dot product (default: the best this CPU has). out_dtype
+    float32 for bfloat16 x: the bfloat16 results widened, as ``.float()`` of them (logits)."""
     k = panels.shape[1] * panels.shape[2] // PANEL
     flat = x.reshape(-1, k)
     if flat.stride(1) != 1:
         flat = flat.contiguous()
-    y = torch.ops.pagedllm_panel.panel_linear(flat, panels, bias, isa)
+    y = torch.ops.pagedllm_panel.panel_linear(flat, panels, bias, isa, out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -265,10 +265,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.logit_softcap:  # Gemma: cap * tanh(logits / cap)
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
+        """Logits in float32, the values of the model dtype's logits widened (sampling's
+        input); Gemma's soft cap is applied in the model dtype first, as HF does."""
+        if not self.logit_softcap:
+            return self.lm_head(hidden, out_dtype=torch.float32)
+        logits = self.lm_head(hidden)  # Gemma: cap * tanh(logits / cap)
+        return (torch.tanh(logits / self.logit_softcap) * self.logit_softcap).float()
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]

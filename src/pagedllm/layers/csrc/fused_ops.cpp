@@ -795,7 +795,8 @@ using WeightOnlyLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, cons
                                       const c10::optional<std::string>&);
 using PanelLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&,
                                  const c10::optional<at::Tensor>&,
-                                 const c10::optional<std::string>&);
+                                 const c10::optional<std::string>&,
+                                 const c10::optional<at::ScalarType>&);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
@@ -843,27 +844,44 @@ const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
   return op;
 }
 
-const at::Tensor& entry(const c10::List<c10::optional<at::Tensor>>& tensors, int64_t i,
-                        at::Tensor& slot) {
-  const c10::optional<at::Tensor> value = tensors.get(i);
-  slot = value.has_value() ? *value : at::Tensor();
-  return slot;
-}
+// A model's decoder-layer operands, handed to C++ once when the fused decoder is built: a step
+// then passes one handle, where the list of SmolLM2's 30 layers (780 optional tensors) was
+// converted from Python at every step. The tensors are read by reference: copying each out of
+// the list (a reference count up and down, 42 a layer) took about 1% of a one-row step.
+struct DecoderPlan : torch::CustomClassHolder {
+  std::vector<c10::optional<at::Tensor>> tensors;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+
+  DecoderPlan(const c10::List<c10::optional<at::Tensor>>& t, std::vector<int64_t> i,
+              std::vector<double> f)
+      : ints(std::move(i)), floats(std::move(f)) {
+    tensors.reserve(t.size());
+    for (size_t k = 0; k < t.size(); ++k) tensors.push_back(t.get(k));
+    const int64_t layers = int64_t(tensors.size()) / kTensorsPerLayer;
+    TORCH_CHECK(int64_t(tensors.size()) == layers * kTensorsPerLayer &&
+                    int64_t(ints.size()) == layers * kIntsPerLayer &&
+                    int64_t(floats.size()) == layers * kFloatsPerLayer,
+                "DecoderPlan: operand lists of different layer counts");
+  }
+
+  // Operand i: the tensor, undefined where the layer has none.
+  const at::Tensor& operand(int64_t i) const {
+    static const at::Tensor none;
+    return tensors[i].has_value() ? *tensors[i] : none;
+  }
+};
 
 // x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 or
 // weight-only one the kernel, cast back to x's dtype, then the bias (Int8Kernel.__call__).
-at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& tensors,
-                  int64_t first, int64_t levels) {
-  at::Tensor w, rowsum, scale, bias;
-  entry(tensors, first, w);
-  entry(tensors, first + 1, rowsum);
-  entry(tensors, first + 2, scale);
-  entry(tensors, first + 3, bias);
-  const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias)
-                                                     : c10::nullopt;
+at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, int64_t levels) {
+  const at::Tensor& w = plan.operand(first);
+  const at::Tensor& rowsum = plan.operand(first + 1);
+  const at::Tensor& scale = plan.operand(first + 2);
+  const at::Tensor& bias = plan.operand(first + 3);
+  const c10::optional<at::Tensor>& b = plan.tensors[first + 3];
   if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
-    const c10::optional<at::Tensor> offset = rowsum.defined() ? c10::optional<at::Tensor>(rowsum)
-                                                              : c10::nullopt;
+    const c10::optional<at::Tensor>& offset = plan.tensors[first + 1];
     const int64_t bits = -levels % kXForms, form = -levels / kXForms;
     at::Tensor y;
     if (w.dim() == 3) {  // codes in panels
@@ -882,7 +900,8 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
     return bias.defined() ? y + bias : y;
   }
   if (!rowsum.defined()) {
-    if (w.dim() == 3) return panel_linear_op().call(x, w, b, c10::nullopt);  // in panels
+    if (w.dim() == 3)  // in panels
+      return panel_linear_op().call(x, w, b, c10::nullopt, c10::nullopt);
     if (x.size(0) <= kGemvUseRows && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16))
       return gemv(x, w, b);  // what LinearBase.matmul runs at these rows
@@ -899,8 +918,8 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
 // This step's K/V rows [T, Hk, D] into their cache slots (the module path's index_copy_ on
 // [slots, Hk, D] views): one memcpy per (token, kv head), where index_copy_ sets up a tensor
 // iterator per call (about 20 us for a decode step's 48 rows, twice per layer).
-void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                    at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && key_cache.scalar_type() == key.scalar_type() &&
@@ -1021,34 +1040,14 @@ at::Tensor& reuse(at::Tensor& buf, at::IntArrayRef shape, const at::TensorOption
   return buf;
 }
 
-// A model's decoder-layer operands, handed to C++ once when the fused decoder is built: a step
-// then passes one handle, where the list of SmolLM2's 30 layers (780 optional tensors) was
-// converted from Python at every step.
-struct DecoderPlan : torch::CustomClassHolder {
-  c10::List<c10::optional<at::Tensor>> tensors;
-  std::vector<int64_t> ints;
-  std::vector<double> floats;
-
-  DecoderPlan(c10::List<c10::optional<at::Tensor>> t, std::vector<int64_t> i,
-              std::vector<double> f)
-      : tensors(std::move(t)), ints(std::move(i)), floats(std::move(f)) {
-    const int64_t layers = int64_t(tensors.size()) / kTensorsPerLayer;
-    TORCH_CHECK(int64_t(tensors.size()) == layers * kTensorsPerLayer &&
-                    int64_t(ints.size()) == layers * kIntsPerLayer &&
-                    int64_t(floats.size()) == layers * kFloatsPerLayer,
-                "DecoderPlan: operand lists of different layer counts");
-  }
-};
-
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& hidden_in, const c10::optional<at::Tensor>& residual_in,
     const at::Tensor& positions, const c10::intrusive_ptr<DecoderPlan>& plan,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k,
     const at::Tensor& block_table) {
-  const c10::List<c10::optional<at::Tensor>>& tensors = plan->tensors;
   const std::vector<int64_t>& ints = plan->ints;
   const std::vector<double>& floats = plan->floats;
-  const int64_t layers = int64_t(tensors.size()) / kTensorsPerLayer;
+  const int64_t layers = int64_t(plan->tensors.size()) / kTensorsPerLayer;
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.stride(1) == 1, "hidden: [T, D]");
   TORCH_CHECK(hidden_in.scalar_type() == at::kFloat || hidden_in.scalar_type() == at::kBFloat16,
               "decoder_layers: float32 or bfloat16");
@@ -1061,8 +1060,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     residual = at::zeros_like(hidden);
     hidden = hidden.clone();
   }
-  at::Tensor in_w, post_attn_w, pre_mlp_w, post_mlp_w, q_w, k_w, cos, sin, key_cache,
-      value_cache;
   at::Tensor q_buf, k_buf, attn_buf, act_buf;  // each layer's, reused by the next
   at::Tensor q_cache_buf, k_cache_buf, v_cache_buf, attn_out_buf;  // kv_cache_dtype's copies
   for (int64_t l = 0; l < layers; ++l) {
@@ -1072,19 +1069,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const int64_t heads = in[0], kv_heads = in[1], dim = in[2];
     const bool gelu = in[10] == 1, offset = in[11] == 1;
     const double eps = fl[0];
-    entry(tensors, t0, in_w);
-    entry(tensors, t0 + 1, post_attn_w);
-    entry(tensors, t0 + 2, pre_mlp_w);
-    entry(tensors, t0 + 3, post_mlp_w);
-    entry(tensors, t0 + 4, q_w);
-    entry(tensors, t0 + 5, k_w);
-    entry(tensors, t0 + 6, cos);
-    entry(tensors, t0 + 7, sin);
-    entry(tensors, t0 + 8, key_cache);
-    entry(tensors, t0 + 9, value_cache);
+    const at::Tensor& in_w = plan->operand(t0);
+    const at::Tensor& post_attn_w = plan->operand(t0 + 1);
+    const at::Tensor& pre_mlp_w = plan->operand(t0 + 2);
+    const at::Tensor& post_mlp_w = plan->operand(t0 + 3);
+    const at::Tensor& q_w = plan->operand(t0 + 4);
+    const at::Tensor& k_w = plan->operand(t0 + 5);
+    const at::Tensor& cos = plan->operand(t0 + 6);
+    const at::Tensor& sin = plan->operand(t0 + 7);
+    const at::Tensor& key_cache = plan->operand(t0 + 8);
+    const at::Tensor& value_cache = plan->operand(t0 + 9);
     // attention stage: norm, qkv, q/k norms, rotary, cache write, paged attention, o, norm
     add_rms_norm(hidden, residual, in_w, eps, offset);
-    const at::Tensor qkv = linear(hidden, tensors, t0 + 10, in[6]);
+    const at::Tensor qkv = linear(hidden, *plan, t0 + 10, in[6]);
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     at::Tensor q = heads_of(qkv, 0, heads, dim), k = heads_of(qkv, q_size, kv_heads, dim);
     const at::Tensor v = heads_of(qkv, q_size + kv_size, kv_heads, dim);
@@ -1111,14 +1108,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor attn_out = attn;
     if (convert)
       convert_rows(attn, attn_out = reuse(attn_out_buf, {tokens, heads, dim}, qkv.options()));
-    hidden = linear(attn_out.view({tokens, q_size}), tensors, t0 + 14, in[7]);
+    hidden = linear(attn_out.view({tokens, q_size}), *plan, t0 + 14, in[7]);
     if (post_attn_w.defined()) hidden = rms_norm(hidden, post_attn_w, eps, offset);
     // MLP stage: norm, gate_up, activation * up, down, norm
     add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
-    const at::Tensor gate_up = linear(hidden, tensors, t0 + 18, in[8]);
+    const at::Tensor gate_up = linear(hidden, *plan, t0 + 18, in[8]);
     at::Tensor& act = reuse(act_buf, {tokens, gate_up.size(1) / 2}, gate_up.options());
     gated_into(gate_up, gelu, act, "decoder_layers");
-    hidden = linear(act, tensors, t0 + 22, in[9]);
+    hidden = linear(act, *plan, t0 + 22, in[9]);
     if (post_mlp_w.defined()) hidden = rms_norm(hidden, post_mlp_w, eps, offset);
   }
   return {hidden, residual};
