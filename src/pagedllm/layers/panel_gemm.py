@@ -107,14 +107,9 @@ def unpack(panels: torch.Tensor) -> torch.Tensor:
 
 
 def rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` [T] of the plain weight, [T, K]: an embedding lookup in panels."""
-    if load():
-        return torch.ops.pagedllm_panel.panel_rows(panels, ids.long())
-    groups, steps, width = panels.shape
-    if width == PANEL:  # float32
-        return panels[ids // PANEL, :, ids % PANEL]
-    pairs = panels.view(groups, steps, PANEL, 2)[ids // PANEL, :, ids % PANEL]  # [T, K / 2, 2]
-    return pairs.reshape(ids.shape[0], steps * 2)
+    """Rows ``ids`` [T] of the plain weight, [T, K]: an embedding lookup in panels (a C++
+    gather; panels exist only where the kernel loaded, as for :func:`linear`)."""
+    return torch.ops.pagedllm_panel.panel_rows(panels, ids.long())
 
 
 def int8_activations_available() -> bool:

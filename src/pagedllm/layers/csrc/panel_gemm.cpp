@@ -1175,7 +1175,8 @@ Isa isa_to_run(const c10::optional<std::string>& isa, const char* op) {
 
 // out_dtype float32 for bfloat16 x: y holds the bf16 results widened to fp32, what
 // Tensor.float() of the bfloat16 y would hold, without that second pass over a fresh buffer
-// (an LM head's logits for sampling: the 125M model's at 64 rows 8.53 -> 8.37 ms).
+// (an LM head's logits for sampling: the 125M model's at 64 rows 8.53 -> 8.37 ms); the AMX
+// tiles store bf16, so beyond 6 rows on them y is still widened after.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias,
                         const c10::optional<std::string>& isa,
@@ -1424,6 +1425,16 @@ std::string isa() {
   }
 }
 
+// ids [T] as a contiguous int64 tensor, each checked to name one of the n output rows.
+at::Tensor checked_ids(const at::Tensor& ids, int64_t n, const char* op) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, op, ": int64 ids");
+  at::Tensor index = ids.contiguous();
+  const int64_t* row = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < index.numel(); ++t)
+    TORCH_CHECK(row[t] >= 0 && row[t] < n, op, ": id ", row[t], " outside [0, ", n, ")");
+  return index;
+}
+
 // Output rows `ids` of a float weight in panels, [T, K] in its dtype: an embedding tied to (or
 // kept as) panels looks its tokens up here. Each row is a gather of one lane (bfloat16: one
 // pair of features) every 64 bytes; torch's advanced indexing on the panels' view took 6.4 ms
@@ -1432,12 +1443,9 @@ at::Tensor panel_rows(const at::Tensor& w, const at::Tensor& ids) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) * w.element_size() == 64 &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "panel_rows: float32 / bfloat16 panels [N / 16, K (/ 2), 16 (* 2)]");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "panel_rows: int64 ids");
-  const int64_t n = w.size(0) * kPanel, steps = w.size(1);
-  const at::Tensor index = ids.contiguous();
+  const int64_t steps = w.size(1);
+  const at::Tensor index = checked_ids(ids, w.size(0) * kPanel, "panel_rows");
   const int64_t* row = index.data_ptr<int64_t>();
-  for (int64_t t = 0; t < index.numel(); ++t)
-    TORCH_CHECK(row[t] >= 0 && row[t] < n, "panel_rows: id ", row[t], " outside [0, ", n, ")");
   // a lane is 4 bytes either way: one fp32 feature, or a pair of bf16 ones
   at::Tensor out = at::empty({index.numel(), steps * (w.size(2) / kPanel)}, w.options());
   const uint32_t* src = static_cast<const uint32_t*>(w.data_ptr());
@@ -1461,12 +1469,8 @@ at::Tensor quant_panel_rows(const at::Tensor& codes, const at::Tensor& scale,
                             const at::Tensor& ids) {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   const Quant q = quant_operands(codes, scale, offset, bits, "quant_panel_rows");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_panel_rows: int64 ids");
-  const at::Tensor index = ids.contiguous();
+  const at::Tensor index = checked_ids(ids, q.n, "quant_panel_rows");
   const int64_t* row = index.data_ptr<int64_t>();
-  for (int64_t t = 0; t < index.numel(); ++t)
-    TORCH_CHECK(row[t] >= 0 && row[t] < q.n, "quant_panel_rows: id ", row[t], " outside [0, ",
-                q.n, ")");
   const int64_t k = q.k;
   at::Tensor out = at::empty({index.numel(), k}, scale.options().dtype(at::kFloat));
   auto constant = [&](const void* base, int64_t i) {
