@@ -146,6 +146,7 @@ class KernelConfig:
     cpu_fused_decoder: bool = True  # PAGEDLLM_CPU_FUSED_DECODER: the runner's fused decoder
     attention_tiles: str | None = None  # PAGEDLLM_ATTENTION_TILES: tile overrides
     cpu_huge_pages: bool = True  # PAGEDLLM_CPU_HUGE_PAGES: a CPU model's weights on 2 MB pages
+    cuda_fused_ops: bool = False  # PAGEDLLM_CUDA_FUSED_OPS=1: ops take their Triton forward_cuda
 
 
 @dataclass(frozen=True)
@@ -502,6 +503,7 @@ class EngineArgs:
                     envs.PAGEDLLM_CPU_FUSED_DECODER(),
                     envs.PAGEDLLM_ATTENTION_TILES(),
                     envs.PAGEDLLM_CPU_HUGE_PAGES(),
+                    envs.PAGEDLLM_CUDA_FUSED_OPS(),
                 ),
             ),
             partition=parse_partition_config(self.partition_config),

@@ -94,6 +94,13 @@ def PAGEDLLM_CPU_FUSED_OPS() -> bool:  # noqa: N802
     return os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"
 
 
+def PAGEDLLM_CUDA_FUSED_OPS() -> bool:  # noqa: N802
+    """1: the Triton residual + RMSNorm, SwiGLU and rotary kernels on CUDA (layers/
+    triton_ops.py) in place of the torch ops. Off by default until tools/gpu_check.sh has
+    passed with them on a GPU (their tests so far ran in Triton's CPU interpreter)."""
+    return os.environ.get("PAGEDLLM_CUDA_FUSED_OPS", "0") == "1"
+
+
 def PAGEDLLM_CPU_PANEL_WEIGHTS() -> bool:  # noqa: N802
     """Store CPU float linear weights in panels for the C++ panel GEMM (default on where the
     CPU has AVX-512); 0 keeps them plain (the one-row GEMV and ATen's GEMM), e.g. to A/B it."""

@@ -2,48 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
-from helpers.attention_reference import cu_seqlens, make_tensors, paginate, random_case, reference
+from helpers.attention_reference import random_case, reference
 from helpers.ci import unavailable, under_ci
+from helpers.triton_interpret import UNAVAILABLE, interpreted
+from helpers.varlen_cases import case_inputs
 
-from pagedllm.attention.metadata import VarlenBatch
 from pagedllm.attention.tuning import get_tuning
 
-
-@contextlib.contextmanager
-def interpreting():
-    """TRITON_INTERPRET=1: read when Triton decorates a function and when it launches one."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-def _why_not_interpretable() -> str | None:
-    if "triton" in sys.modules:  # its own jit functions are compiled ones: cannot interpret
-        return "triton was imported before this module"
-    with interpreting():
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            return f"triton is missing ({exc})"
-    return None
-
-
-UNAVAILABLE = _why_not_interpretable()
 if UNAVAILABLE is not None and not under_ci():  # under CI=true the kernels fixture fails
     pytest.skip(UNAVAILABLE, allow_module_level=True)
 
@@ -55,29 +25,21 @@ MODULES = ("pagedllm.attention.triton_kernels", "pagedllm.attention.triton_backe
 def kernels():
     if UNAVAILABLE is not None:
         unavailable(UNAVAILABLE)
-    for name in MODULES:
-        sys.modules.pop(name, None)
-    with interpreting():  # while the module's tests run too: launches read the variable
-        yield importlib.import_module(MODULES[0])
-    for name in MODULES:
-        sys.modules.pop(name, None)
+    with interpreted(*MODULES) as module:  # while the tests run: launches read the variable
+        yield module
 
 
-def run(kernels, case, seed: int, block_size: int | None, units: int = 1, **tiles: int):
-    q, k, v = make_tensors(case, seed)
-    batch = VarlenBatch(
-        cu_seqlens(case.q_lens),
-        torch.tensor(case.k_lens, dtype=torch.int32),
-        cu_seqlens(case.k_lens),
-        None,
-        max(case.q_lens),
-        max(case.k_lens),
-    )
-    key, value = torch.cat(k), torch.cat(v)
-    if block_size is not None:
-        key, batch.block_table = paginate(k, block_size, seed)
-        value, _ = paginate(v, block_size, seed)
-        batch.cu_seqlens_k = None
+def run(
+    kernels,
+    case,
+    seed: int,
+    block_size: int | None,
+    units: int = 1,
+    launch_keys: int | None = None,
+    **tiles: int,
+):
+    """launch_keys: the longest context the launch is sized for (default: the batch's)."""
+    (q, k, v), key, value, batch = case_inputs(case, seed, block_size, launch_keys)
     tuning = get_tuning("cpu", case.head_dim, 1, case.dtype, **tiles)
     tuning = dataclasses.replace(tuning, caches=dataclasses.replace(tuning.caches, num_units=units))
     scale = case.head_dim**-0.5
@@ -110,7 +72,7 @@ def test_split_k_decode(kernels, monkeypatch):
     merges = []
     merge = kernels._merge_splits
     monkeypatch.setattr(
-        kernels, "_merge_splits", lambda o, lse: merges.append(o.shape[0]) or merge(o, lse)
+        kernels, "_merge_splits", lambda o, lse, *a: merges.append(o.shape[0]) or merge(o, lse, *a)
     )
     case = random_case(random.Random(9), (torch.float32,), (16,))
     case.q_lens, case.k_lens, case.heads, case.kv_heads = [1, 1], [70, 37], 4, 2
@@ -120,6 +82,24 @@ def test_split_k_decode(kernels, monkeypatch):
     case.window = (20, -1)  # a window: early splits see nothing for some rows
     run(kernels, case, 2, 4, units=64, **{**TILES, "split_keys": 16})
     assert merges == [5, 5]  # ceil(70 / 16) chunks
+
+
+def test_split_k_launch_sized_for_a_longer_context(kernels, monkeypatch):
+    """A launch sized for 1,000 keys (as a CUDA graph's is, for max_model_len) over
+    sequences of 70 and 37 keys: 8 splits, each sequence's own keys spread over them."""
+    busy = []  # per merge: how many splits saw keys, for each token (its first head)
+    merge = kernels._merge_splits
+    monkeypatch.setattr(
+        kernels,
+        "_merge_splits",
+        lambda o, lse, *a: busy.append(lse[:, 0].isfinite().sum(0).tolist()) or merge(o, lse, *a),
+    )
+    case = random_case(random.Random(9), (torch.float32,), (16,))
+    case.q_lens, case.k_lens, case.heads, case.kv_heads = [1, 1], [70, 37], 4, 2
+    case.causal, case.window = True, (-1, -1)
+    # 4 programs on 16 units: want 8 splits (2 x 16 / 4), fewer than ceil(1000 / 16)
+    run(kernels, case, 2, 4, units=16, launch_keys=1000, **{**TILES, "split_keys": 16})
+    assert busy == [[5, 3]]  # 16-key chunks: ceil(70 / 16) and ceil(37 / 16) of the 8
 
 
 def test_engine_greedy_matches_hf_with_triton_backend(kernels, model_factory):

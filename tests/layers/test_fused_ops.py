@@ -136,9 +136,12 @@ def test_offset_norm_is_gemmas() -> None:
 def test_ops_pick_their_implementation_when_built() -> None:
     assert RMSNorm(8, 1e-6, torch.float32).impl == "cpu"
     assert RMSNorm(8, 1e-6, torch.float16).impl == "native"  # no fp16 C++ kernel
-    with build_target(OpTarget("cuda")):
+    with build_target(OpTarget("cuda", cuda_fused_ops=True)):
         assert RMSNorm(8, 1e-6, torch.float32).impl == "cuda"
         assert SiluAndMul(torch.float32).impl == "cuda"
+        assert GeluTanhAndMul(torch.float32).impl == "native"  # no Triton kernel
+    with build_target(OpTarget("cuda")):  # the Triton ops are off unless asked for
+        assert RMSNorm(8, 1e-6, torch.float32).impl == "native"
     with build_target(OpTarget("cpu", cpu_fused_ops=False)):
         assert GeluTanhAndMul(torch.float32).impl == "native"
         assert not ReplicatedLinear(8, 8).cpu_gemv

@@ -6,8 +6,10 @@ query head of the KV head's group) pair, so every K/V tile loaded serves the who
 It walks the visible keys in BLOCK_N tiles with an online softmax (exp2 domain, fp32
 accumulators); ``tl.range(..., num_stages)`` software-pipelines the K/V loads across tiles.
 Keys are addressed through the block table when paged. Split-K for long decode contexts: a
-third grid axis gives each program one chunk of the keys, partial results (out, lse) are
-merged afterwards, so a small decode batch still fills the GPU.
+third grid axis cuts each sequence's keys into that many chunks of whole key tiles, partial
+results (out, lse) are merged afterwards, so a small decode batch still fills the GPU. The
+chunks follow each sequence's own length: a launch sized for the longest context (a CUDA
+graph's, worker/cuda_graphs.py) spreads a short context over every split as well.
 
 Imported lazily, only on CUDA or under TRITON_INTERPRET=1; a CPU install never loads Triton.
 """
@@ -55,7 +57,7 @@ def _attention_kernel(
     scale_log2,
     window_left,
     window_right,
-    split_keys,
+    num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -91,12 +93,16 @@ def _attention_kernel(
     )
     if UPCAST:  # the interpreter's tl.dot mishandles bf16 operands
         q = q.to(tl.float32)
-    # Keys any row of the tile may see, then this program's split of them.
+    # Keys any row of the tile may see, then this program's split of them: num_splits
+    # chunks of whole key tiles over this sequence's own range, so that a launch sized for
+    # the longest context (a CUDA graph's) still spreads a short one over every split.
     last_tok = tl.minimum(row0 + BLOCK_M, len_q * GROUP) - 1
     lo = tl.maximum(row0 // GROUP + len_k - len_q - window_left, 0)
     hi = tl.minimum(last_tok // GROUP + len_k - len_q + window_right + 1, len_k)
-    lo = lo + tl.program_id(2) * split_keys
-    hi = tl.minimum(hi, lo + split_keys)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + tl.program_id(2) * chunk
+        hi = tl.minimum(hi, lo + chunk)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -157,15 +163,68 @@ def _num_splits(batch: VarlenBatch, programs: int, tuning: AttentionTuning) -> i
     return max(1, min(want, -(-batch.max_seqlen_k // tuning.split_keys)))
 
 
+@triton.jit
+def _merge_kernel(
+    Out,
+    Lse,
+    Merged,
+    MergedLse,
+    num_splits,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lh,
+    stride_mt,
+    stride_mh,
+    stride_mlh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (token, head) program: the splits' partial outputs, each weighted by
+    exp(lse - the largest lse); an empty split (lse -inf) weighs 0, a row no split saw
+    gets 0 and lse +inf, as the unsplit kernel reports it."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    split = tl.arange(0, BLOCK_S)
+    split_ok = split < num_splits
+    lse = tl.load(
+        Lse + split * stride_ls + head * stride_lh + tok, mask=split_ok, other=float("-inf")
+    )
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(weight, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    part = tl.load(
+        Out + split[:, None] * stride_os + tok * stride_ot + head * stride_oh + d[None, :],
+        mask=split_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    seen = total > 0
+    merged = tl.sum(part * weight[:, None], 0) / tl.where(seen, total, 1.0)
+    m_ptr = Merged + tok * stride_mt + head * stride_mh + d
+    tl.store(m_ptr, merged.to(Merged.dtype.element_ty), mask=d_ok)
+    lse_out = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("inf"))
+    tl.store(MergedLse + head * stride_mlh + tok, lse_out)
+
+
 def _merge_splits(
-    out: torch.Tensor, lse: torch.Tensor
+    out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [S, T, H, D], [S, H, T] -> [T, H, D], [H, T]
-    top = lse.max(dim=0).values  # [H, T]
-    weight = torch.exp(lse - torch.where(top.isinf(), 0.0, top))  # 0 for empty splits
-    total = weight.sum(dim=0)  # [H, T]
-    merged = (weight.permute(0, 2, 1)[..., None] * out).sum(dim=0)
-    merged = merged / torch.where(total > 0, total, 1.0).t()[..., None]
-    merged_lse = torch.where(total > 0, top + torch.log(total), float("inf"))
+    """The split-K partial results merged in one launch, the output in dtype."""
+    splits, total_q, heads, head_dim = out.shape
+    merged = torch.empty(total_q, heads, head_dim, dtype=dtype, device=out.device)
+    merged_lse = torch.empty(heads, total_q, dtype=torch.float32, device=out.device)
+    _merge_kernel[(total_q, heads)](
+        out, lse, merged, merged_lse, splits,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        merged.stride(0), merged.stride(1), merged_lse.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    )  # fmt: skip
     return merged, merged_lse
 
 
@@ -189,10 +248,6 @@ def varlen_attention(
     block_m = max(16, min(tuning.block_m, triton.next_power_of_2(batch.max_seqlen_q * group)))
     row_tiles = triton.cdiv(batch.max_seqlen_q * group, block_m)
     splits = _num_splits(batch, row_tiles * batch.num_seqs * kv_heads, tuning)
-    split_keys = _UNBOUNDED
-    if splits > 1:
-        per_split = triton.cdiv(batch.max_seqlen_k, splits)
-        split_keys = triton.cdiv(per_split, tuning.block_n) * tuning.block_n
     dev = query.device
     if splits > 1:
         out = torch.empty(splits, total_q, heads, head_dim, dtype=torch.float32, device=dev)
@@ -232,7 +287,7 @@ def varlen_attention(
         scale * _LOG2E,
         window_left if window_left >= 0 else _UNBOUNDED,
         window_right if window_right >= 0 else _UNBOUNDED,
-        split_keys,
+        splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -247,6 +302,6 @@ def varlen_attention(
         num_warps=8 if block_m >= 128 else 4,
     )
     if splits > 1:
-        merged, merged_lse = _merge_splits(out, lse)
-        return merged.to(query.dtype), (merged_lse if return_lse else None)
+        merged, merged_lse = _merge_splits(out, lse, query.dtype)
+        return merged, (merged_lse if return_lse else None)
     return out[0], (lse[0] if return_lse else None)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers import cpu_fused
-from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.custom_op import CustomOp, triton_ops
 
 
 class SiluAndMul(CustomOp):
@@ -18,6 +18,11 @@ class SiluAndMul(CustomOp):
         if x.dim() != 2 or x.stride(1) != 1:
             return self.forward_native(x)
         return cpu_fused.silu_and_mul(x)  # one pass, no thread pool for a few rows
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return self.forward_native(x)
+        return triton_ops().silu_and_mul(x)  # one launch for silu, the product and rounding
 
 
 class GeluTanhAndMul(CustomOp):

@@ -1,10 +1,11 @@
 """Ops that pick their implementation once, when they are built (vLLM's CustomOp idea).
 
 An op has ``forward_native`` (torch ops, any device) and may have ``forward_cpu`` (the C++
-fused kernels, layers/cpu_fused.py) and ``forward_cuda``. Which one ``forward`` runs is
-decided in ``__init__`` from the :class:`OpTarget` the loader builds the model under (the
-device and whether the fused CPU ops are on, resolved from the engine's frozen config), and
-from the op's dtype: nothing is looked up per call.
+fused kernels, layers/cpu_fused.py) and ``forward_cuda`` (Triton kernels,
+layers/triton_ops.py). Which one ``forward`` runs is decided in ``__init__`` from the
+:class:`OpTarget` the loader builds the model under (the device and whether its fused ops
+are on, resolved from the engine's frozen config), and from the op's dtype: nothing is
+looked up per call.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class OpTarget:
 
     device_type: str = "cpu"  # "cpu" | "cuda" | ...
     cpu_fused_ops: bool = True  # forward_cpu where the C++ kernels are built (else native)
+    cuda_fused_ops: bool = False  # forward_cuda on CUDA (else native; PAGEDLLM_CUDA_FUSED_OPS)
 
     def uses_cpu_kernels(self, dtype: torch.dtype) -> bool:
         return (
@@ -64,7 +66,11 @@ class CustomOp(nn.Module):
         self.impl = "native"
         if target.uses_cpu_kernels(dtype) and type(self).forward_cpu is not CustomOp.forward_cpu:
             self.impl = "cpu"
-        elif target.device_type == "cuda":
+        elif (
+            target.device_type == "cuda"
+            and target.cuda_fused_ops
+            and type(self).forward_cuda is not CustomOp.forward_cuda
+        ):
             self.impl = "cuda"
         self._forward: Callable[..., Any] = getattr(self, f"forward_{self.impl}")
 
@@ -79,3 +85,10 @@ class CustomOp(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(*args, **kwargs)
+
+
+def triton_ops() -> Any:
+    """layers/triton_ops.py, imported on first use: a CPU install never loads Triton."""
+    from pagedllm.layers import triton_ops as ops
+
+    return ops

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers import cpu_fused
-from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.custom_op import CustomOp, triton_ops
 
 
 class RMSNorm(CustomOp):
@@ -48,6 +48,16 @@ class RMSNorm(CustomOp):
             residual, x = torch.zeros_like(x), x.clone()
         return cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch (layers/triton_ops.py) for the add, the norm and the weight."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype != self.weight.dtype:
+            return self.forward_native(x, residual)
+        if residual is not None and (residual.stride(1) != 1 or residual.dtype != x.dtype):
+            return self.forward_native(x, residual)
+        return triton_ops().add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
 
 class PlainRMSNorm(RMSNorm):
     """forward(x) -> norm(x) over the last dim: the norms after attention or the MLP (Gemma)
@@ -61,3 +71,10 @@ class PlainRMSNorm(RMSNorm):
             return self._norm(x)
         rows = x.reshape(-1, x.shape[-1])  # per-head q / k: a copy of the strided view
         return cpu_fused.rms_norm(rows, self.weight, self.eps, self.offset).view(x.shape)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if x.stride(-1) != 1 or x.dtype != self.weight.dtype:
+            return self._norm(x)
+        rows = x.reshape(-1, x.shape[-1])
+        out, _ = triton_ops().add_rms_norm(rows, None, self.weight, self.eps, self.offset)
+        return out.view(x.shape)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pagedllm.layers import cpu_fused
-from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.custom_op import CustomOp, triton_ops
 
 
 def rope_parameters(
@@ -133,3 +133,10 @@ class RotaryEmbedding(CustomOp):
         if q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != self.cos.dtype:
             return self.forward_native(positions, q, k)
         return cpu_fused.rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != self.cos.dtype:
+            return self.forward_native(positions, q, k)
+        return triton_ops().rotary_neox(positions.contiguous(), q, k, self.cos, self.sin)

@@ -94,12 +94,13 @@ def build_model(
     device: torch.device,
     comm: Communicator = SINGLE,
     cpu_fused_ops: bool = True,
+    cuda_fused_ops: bool = False,
 ) -> nn.Module:
     """The model, uninitialised, sharded over comm; only layer_range's layers when it is set
     (built on the meta device first, so that another tier's layers never take memory). Its
     ops pick their implementation for ``device`` as they are built (layers/custom_op.py)."""
     cls = get_model_class(config.architecture)
-    target = OpTarget(device.type, cpu_fused_ops)
+    target = OpTarget(device.type, cpu_fused_ops, cuda_fused_ops)
     with torch.device("meta"), model_parallel(comm), build_target(target):
         model = cls(config.hf_config, torch_dtype(config.dtype))
     if config.layer_range is not None:
@@ -160,8 +161,9 @@ def load_model(
     device: torch.device,
     comm: Communicator = SINGLE,
     cpu_fused_ops: bool = True,
+    cuda_fused_ops: bool = False,
 ) -> nn.Module:
-    model = build_model(config, device, comm, cpu_fused_ops)
+    model = build_model(config, device, comm, cpu_fused_ops, cuda_fused_ops)
     model.calibration_folder = config.tokenizer  # the text of a later quantization pass
     quant = None
     if config.quant_config is not None:

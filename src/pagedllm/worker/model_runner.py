@@ -37,6 +37,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.worker.cpu_decoder import CpuFusedDecoder, run_fused
+from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.worker.huge_pages import gather_weights
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
@@ -106,6 +107,7 @@ class ModelRunner:
         self.device = torch.device(device_config.device)
         self.enforce_eager = device_config.enforce_eager
         self.kernels = device_config.kernels
+        self.world_size = comm.world_size
         if self.device.type == "cuda" and comm.world_size > 1:
             self.device = torch.device("cuda", comm.rank % torch.cuda.device_count())
         self.dtype = torch_dtype(model_config.dtype)
@@ -114,7 +116,10 @@ class ModelRunner:
         self.kv_dtype = self.dtype if cache_dtype == "auto" else torch_dtype(cache_dtype)
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
-        self.model = load_model(model_config, self.device, comm, self.kernels.cpu_fused_ops)
+        self.model = load_model(
+            model_config, self.device, comm, self.kernels.cpu_fused_ops,
+            self.kernels.cuda_fused_ops,
+        )  # fmt: skip
         # an in-place change of its linears (quantization) rebuilds how steps run
         self.model.on_weights_changed = self.rebuild_fast_path
         self.load_seconds = time.perf_counter() - start
@@ -140,6 +145,8 @@ class ModelRunner:
         # How steps run beyond the modules' own forward: built by rebuild_fast_path
         self.fast_path: CpuFusedDecoder | None = None
         self.draft_fast_path: CpuFusedDecoder | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
+        self._profiling = False  # the CUDA memory profile's throwaway cache: no graphs
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
@@ -202,12 +209,16 @@ class ModelRunner:
         num_tokens = self.scheduler_config.max_num_batched_tokens
         extra = len(self.kv_cache_groups()) - 1
         blocks = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(blocks, [blocks] * extra)
         params = SamplingParams(temperature=0.0, max_tokens=1)
         seq = Sequence(-1, "profile", 0, [0] * num_tokens, params, None)
         seq.block_table = list(range(blocks))
         seq.group_block_tables = [list(range(blocks)) for _ in range(extra)]
-        self.execute(SchedulerOutput([ScheduledSequence(seq, num_tokens)], num_tokens))
+        self._profiling = True
+        try:
+            self.allocate_kv_cache(blocks, [blocks] * extra)
+            self.execute(SchedulerOutput([ScheduledSequence(seq, num_tokens)], num_tokens))
+        finally:
+            self._profiling = False
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches, self.kv_spec = [], None
@@ -276,6 +287,10 @@ class ModelRunner:
         counts = [num_blocks, *extra_blocks]
         if len(counts) != len(groups):
             raise ValueError(f"{len(groups)} KV cache groups, got block counts for {len(counts)}")
+        # CUDA graphs replay padded batches: the padding rows write their K/V to a scratch
+        # block past those the block manager hands out
+        scratch = 1 if self._graphs_wanted(len(groups)) else 0
+        counts[0] += scratch
         per_block = self.block_size * attn[0].num_kv_heads * attn[0].head_dim
         # Zeroed: padded key slots are masked, but 0 * NaN garbage would still poison P @ V.
         flat = self._zeroed(2 * per_block * sum(len(g) * c for g, c in zip(groups, counts)))
@@ -294,6 +309,7 @@ class ModelRunner:
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
         if self.speculator is not None and self.speculator.draft is not None:
             self._allocate_draft_kv_cache(num_blocks)
+        counts[0] -= scratch
         if len(groups) == 1:
             self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
         else:
@@ -306,11 +322,13 @@ class ModelRunner:
         (every decoder layer in one C++ call, worker/cpu_decoder.py), unless enforce_eager or
         PAGEDLLM_CPU_FUSED_DECODER=0 (then the modules run one by one). allocate_kv_cache calls
         this; whoever replaces weights, linear classes (quantization) or caches afterwards calls
-        it again. On CUDA this is where decode CUDA-graph capture belongs; CUDA steps run
-        eagerly for now."""
-        self.fast_path = self.draft_fast_path = None
+        it again. On CUDA the decode steps are captured as CUDA graphs (worker/cuda_graphs.py)
+        unless enforce_eager; other steps, and models the graphs do not take, run eagerly."""
+        self.fast_path = self.draft_fast_path = self.graphs = None
         if self.device.type == "cpu" and self.kernels.cpu_huge_pages:
             self._gather_weights()
+        if self.device.type == "cuda" and self.kv_caches:
+            self._capture_graphs()
         if self.enforce_eager or not self.kv_caches or self.device.type != "cpu":
             return
         if self.lora is not None:  # the fused decoder has no LoRA product
@@ -321,6 +339,36 @@ class ModelRunner:
         if self.speculator is not None and self.speculator.draft is not None:
             self.draft_fast_path = self._build_cpu_decoder(self.speculator.draft.model)
             self.speculator.draft.fast_path = self.draft_fast_path
+
+    def _graphs_wanted(self, num_groups: int) -> bool:
+        """Whether decode steps are to run as CUDA graphs: on one GPU, not enforce_eager, one
+        KV cache group, no LoRA, no draft model (their steps run eagerly), not the memory
+        profile's throwaway cache."""
+        return (
+            self.device.type == "cuda"
+            and not self.enforce_eager
+            and not self._profiling
+            and num_groups == 1
+            and self.world_size == 1
+            and self.lora is None
+            and self.speculator is None
+        )
+
+    def _capture_graphs(self) -> None:
+        groups = len(self.kv_spec.extra_groups) + 1 if self.kv_spec is not None else 1
+        if not self._graphs_wanted(groups):
+            return
+        sched = self.scheduler_config
+        graphs = DecodeGraphs(
+            self.model,
+            capture_sizes(sched.max_num_seqs),
+            sched.max_model_len,
+            self.block_size,
+            pad_slot=self.num_blocks * self.block_size,  # the scratch block's first slot
+            device=self.device,
+        )
+        graphs.capture()
+        self.graphs = graphs
 
     def _gather_weights(self) -> None:
         """The weights as they are now (loaded, quantized, repacked) into huge-page memory
@@ -501,6 +549,10 @@ class ModelRunner:
         layer_by_layer calls every module (so forward hooks, e.g. the partition profiler's
         timers, see each layer) instead of the fast path."""
         self.prepare_lora(inp)
+        if self.graphs is not None and hidden_states is None and not layer_by_layer:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.metadata)
+            if hidden is not None:
+                return hidden
         with ForwardContext(inp.metadata):
             if self.fast_path is not None and not layer_by_layer:
                 return run_fused(
