@@ -389,8 +389,9 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - report what failed, run the rest
             report[f"{name}_error"] = traceback.format_exc()
             print(report[f"{name}_error"], flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "gpu_check.md").write_text(markdown(report))
+        # after every section: a run cut short (a lost machine, a timeout) keeps what it had
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
 
 
