@@ -18,6 +18,7 @@ from pagedllm.layers.quantization import (
     KERNELS,
     DynamicQuantConfig,
     MovingAverageObserver,
+    batch_dependent,
     dequantize_weight,
     quantize_weight,
     weight_bytes,
@@ -107,6 +108,7 @@ def test_moving_average_observer_follows_the_batches():
     first = layer(x)
     layer(x * 100)  # raises the range: the same input now quantizes more coarsely
     assert not torch.equal(layer(x), first)
+    assert batch_dependent(layer)  # so decode steps of this model run without CUDA graphs
 
 
 def test_int8_quantizes_lm_head_weight_only_and_embedding_by_default():
@@ -333,3 +335,4 @@ def test_calibrated_moving_average_observer_is_static(model_factory):
     first = layer(x)
     layer(x * 100)  # a calibrated range does not follow the batches served
     assert torch.equal(layer(x), first) and torch.equal(observer.absmax, scale)
+    assert not batch_dependent(model)

@@ -793,6 +793,17 @@ def _share_tied_panels(modules: Iterable[nn.Module]) -> None:
             m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
 
 
+def batch_dependent(model: nn.Module) -> bool:
+    """Whether an int8 layer's activation range still follows the batches it sees (an
+    uncalibrated moving-average observer): then a row's result depends on the rows beside it,
+    padding rows too."""
+    return any(
+        isinstance(getattr(kernel, "observer", None), MovingAverageObserver)
+        and not kernel.observer.calibrated
+        for kernel in (getattr(m, "quant_kernel", None) for m in model.modules())
+    )
+
+
 def describe(model: nn.Module) -> str:
     """What is quantized and how, for the startup log: layers per method, and the layers
     left in full precision (named when there are a few)."""

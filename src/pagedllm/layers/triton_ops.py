@@ -5,9 +5,10 @@ where the torch ops take 3 to 9.
 A decode step of a small model is a chain of tiny kernels: on a GPU each costs its launch
 and a round trip through memory more than its arithmetic, so fewer kernels is what makes the
 step faster (with CUDA graphs, worker/cuda_graphs.py, the launches are replayed but the
-kernels still run one after another). Each kernel rounds where the torch ops it replaces
-round, so that results match ``forward_native`` (bitwise in float32 up to the order of a
-row's sum of squares).
+kernels still run one after another). Each kernel rounds to the dtype where the torch ops
+it replaces round, so results match ``forward_native`` to the last bit or two: rotary and the
+residual sum exactly, the norm and SiLU up to the order of a row's sum and the exp's
+implementation.
 
 Imported on first use, only on CUDA or under TRITON_INTERPRET=1 (the tests run them on CPU).
 """

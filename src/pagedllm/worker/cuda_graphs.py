@@ -128,9 +128,9 @@ class DecodeGraphs:
             return None
         n = metadata.num_seqs
         size = self.size_for(n)
-        if size is None or size not in self.graphs:
-            return None
         table = metadata.block_table
+        if size is None or size not in self.graphs or table.shape[1] > self.block_table.shape[1]:
+            return None
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)

@@ -341,22 +341,36 @@ class ModelRunner:
             self.speculator.draft.fast_path = self.draft_fast_path
 
     def _graphs_wanted(self, num_groups: int) -> bool:
-        """Whether decode steps are to run as CUDA graphs: on one GPU, not enforce_eager, one
-        KV cache group, no LoRA, no draft model (their steps run eagerly), not the memory
-        profile's throwaway cache."""
+        """Whether decode steps are to run as CUDA graphs: on one GPU with the Triton
+        attention (the torch backend's decode gathers every sequence's keys up to the
+        captured max_model_len), not enforce_eager, one KV cache group, a model that starts
+        at the embedding (not a later partition tier), and none of what runs eagerly: LoRA, a
+        draft model, int8 layers whose range follows the batch; not the memory profile's
+        throwaway cache either."""
+        if self.device.type != "cuda":
+            return False
+        from pagedllm.layers.quantization import batch_dependent  # loaded where int8 is used
+
+        layers = self.model_config.layer_range
         return (
-            self.device.type == "cuda"
+            self.backend.name == "triton"
             and not self.enforce_eager
             and not self._profiling
             and num_groups == 1
             and self.world_size == 1
+            and (layers is None or layers[0] == 0)
             and self.lora is None
             and self.speculator is None
+            and not batch_dependent(self.model)
         )
 
     def _capture_graphs(self) -> None:
+        """Capture the decode graphs; a capture that fails leaves every step eager (logged).
+        Their memory comes from what gpu_memory_utilization leaves beside the KV cache."""
         groups = len(self.kv_spec.extra_groups) + 1 if self.kv_spec is not None else 1
-        if not self._graphs_wanted(groups):
+        # the scratch block exists only if graphs were wanted when the cache was allocated
+        has_scratch = self.kv_caches[0][0].shape[0] > self.num_blocks
+        if not (has_scratch and self._graphs_wanted(groups)):
             return
         sched = self.scheduler_config
         graphs = DecodeGraphs(
@@ -367,7 +381,14 @@ class ModelRunner:
             pad_slot=self.num_blocks * self.block_size,  # the scratch block's first slot
             device=self.device,
         )
-        graphs.capture()
+        before = torch.cuda.memory_allocated(self.device)
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return
+        mib = (torch.cuda.memory_allocated(self.device) - before) / 2**20
+        logger.info("CUDA graphs hold %.1f MiB", mib)
         self.graphs = graphs
 
     def _gather_weights(self) -> None:
