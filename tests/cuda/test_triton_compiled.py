@@ -31,13 +31,9 @@ def run(kernels, case, seed: int, block_size: int | None, **tiles: int) -> int:
     """Check one case on the GPU; returns the number of key splits the kernel used."""
     (q, k, v), key, value, batch = case_inputs(case, seed, block_size)
     dev = torch.device("cuda")
-    batch = VarlenBatch(
-        **{
-            f.name: getattr(batch, f.name).to(dev)
-            if isinstance(getattr(batch, f.name), torch.Tensor)
-            else getattr(batch, f.name)
-            for f in dataclasses.fields(VarlenBatch)
-        }
+    tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(VarlenBatch)}
+    batch = dataclasses.replace(
+        batch, **{k: t.to(dev) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
     )
     tuning = get_tuning(dev, case.head_dim, case.heads // case.kv_heads, case.dtype, **tiles)
     programs = len(case.q_lens) * case.kv_heads
