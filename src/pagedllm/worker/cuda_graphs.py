@@ -12,8 +12,9 @@ What makes one graph serve every decode step of its size:
   tables of ``max_model_len`` keys); a step copies its rows in, and the rows past n are
   padding: token 0 at position 0, one key, its cache write going to a scratch block that no
   sequence owns (``ModelRunner.allocate_kv_cache`` adds it);
-- attention is captured with ``max_seqlen_k = max_model_len``: its launch grid (split-K over
-  the longest context) covers any step, and key splits past a sequence's keys stay empty;
+- attention is captured with ``max_seqlen_k = max_model_len``: its launch grid (split-K sized
+  for the longest context) covers any step, the Triton kernel cutting each sequence's own
+  keys into the launch's splits;
 - the graphs share one memory pool, captured largest first, and the output of the graph
   replayed last is valid until the next replay (the runner takes its logits before that).
 """
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_num_seqs (at most 256), as vLLM's default list."""
+    """1, 2, 4, 8, then every 16 up to max_num_seqs (at most 256): a batch pads to at most 15
+    rows past its own."""
     limit = min(max_num_seqs, 256)
     sizes = [s for s in (1, 2, 4, 8) if s <= limit]
     sizes += list(range(16, limit + 1, 16))
