@@ -288,15 +288,15 @@ class ModelRunner:
         if len(counts) != len(groups):
             raise ValueError(f"{len(groups)} KV cache groups, got block counts for {len(counts)}")
         # CUDA graphs replay padded batches: the padding rows write their K/V to a scratch
-        # block past those the block manager hands out
+        # block past those the block manager hands out (group 0's tensors only)
         scratch = 1 if self._graphs_wanted(len(groups)) else 0
-        counts[0] += scratch
+        allocated = [num_blocks + scratch, *extra_blocks]
         per_block = self.block_size * attn[0].num_kv_heads * attn[0].head_dim
         # Zeroed: padded key slots are masked, but 0 * NaN garbage would still poison P @ V.
-        flat = self._zeroed(2 * per_block * sum(len(g) * c for g, c in zip(groups, counts)))
+        flat = self._zeroed(2 * per_block * sum(len(g) * c for g, c in zip(groups, allocated)))
         caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         offset = 0
-        for index, (layers, count) in enumerate(zip(groups, counts)):
+        for index, (layers, count) in enumerate(zip(groups, allocated)):
             shape = (count, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
             size = 2 * len(layers) * math.prod(shape)
             views = flat[offset : offset + size].view(len(layers), 2, *shape)
@@ -309,7 +309,6 @@ class ModelRunner:
             layer.key_cache, layer.value_cache, layer.backend = k, v, self.backend
         if self.speculator is not None and self.speculator.draft is not None:
             self._allocate_draft_kv_cache(num_blocks)
-        counts[0] -= scratch
         if len(groups) == 1:
             self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self._bytes_per_block())
         else:
@@ -367,10 +366,10 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """Capture the decode graphs; a capture that fails leaves every step eager (logged).
         Their memory comes from what gpu_memory_utilization leaves beside the KV cache."""
-        groups = len(self.kv_spec.extra_groups) + 1 if self.kv_spec is not None else 1
-        # the scratch block exists only if graphs were wanted when the cache was allocated
+        # the scratch block exists only if graphs were wanted when the cache was allocated,
+        # which takes a single KV cache group
         has_scratch = self.kv_caches[0][0].shape[0] > self.num_blocks
-        if not (has_scratch and self._graphs_wanted(groups)):
+        if not (has_scratch and self._graphs_wanted(num_groups=1)):
             return
         sched = self.scheduler_config
         graphs = DecodeGraphs(
