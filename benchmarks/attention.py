@@ -18,8 +18,16 @@ Each case is a varlen batch (bf16, causal). Implementations:
   flash_attn    pagedllm.attention.flash_attn_varlen_func on contiguous varlen K/V
 With --against DIR, only the C++ kernel itself (its op, no backend around it): this tree's
 build ("cpu kernel") and DIR's src/pagedllm/attention/csrc/attention.cpp built beside it under
-another op namespace ("cpu kernel @DIR"). --layers N gives each call its own of N caches in
-turn, as a decode step's layers do, so the keys come from memory rather than the caches.
+another op namespace ("cpu kernel @DIR").
+--layers N gives each call of the C++ kernel its own of N caches in turn, as a decode step's
+layers do, so the keys come from memory rather than the caches (without --against it adds that
+row, "cpu kernel", to the others). It also times "block gather", the memory floor of such a
+call: the same threads reading every K/V block the block table names, whole (a sequence's K
+blocks, then its V blocks; the threads take equal runs of that list), with no arithmetic, each
+block requested into L2 two blocks ahead. The kernel's read rate is printed as a share of it:
+
+    python benchmarks/attention.py --threads 2 --layers 30 --cases decode-smollm2-48
+
 Times are the best of --reps runs (naive: one run), implementations interleaved so that they
 share the machine's load. The ratios use CPU time of one thread (--threads 1, the default):
 on a shared machine it is what the work costs, where wall time mostly measures the neighbours.
@@ -184,6 +192,79 @@ def load_against(tree: Path) -> Callable:
     return ops.varlen_attention
 
 
+_GATHER_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#include <vector>
+
+typedef uint64_t line_t __attribute__((vector_size(64)));
+
+// Every block of `table` (rows: sequences, `blocks[b]` each), a sequence's K blocks then its V
+// blocks, read whole: 64-byte lines folded together, each block's lines requested into L2 two
+// blocks ahead. The threads take equal runs of the list.
+int64_t gather_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                      torch::Tensor blocks) {
+  const int64_t block_bytes = k.stride(0) * k.element_size();
+  const int32_t* t = table.data_ptr<int32_t>();
+  const int64_t* n = blocks.data_ptr<int64_t>();
+  std::vector<const char*> order;
+  for (int64_t b = 0; b < table.size(0); ++b)
+    for (const torch::Tensor* cache : {&k, &v})
+      for (int64_t i = 0; i < n[b]; ++i)
+        order.push_back(static_cast<const char*>(cache->data_ptr()) +
+                        t[b * table.stride(0) + i] * block_bytes);
+  const int64_t count = order.size();
+  const int64_t share = (count + at::get_num_threads() - 1) / at::get_num_threads();
+  std::vector<int64_t> folded(at::get_num_threads(), 0);
+  at::parallel_for(0, count, share, [&](int64_t i0, int64_t i1) {
+    line_t acc = {};
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + 2 < i1)
+        for (int64_t l = 0; l < block_bytes; l += 64) __builtin_prefetch(order[i + 2] + l, 0, 2);
+      for (int64_t l = 0; l < block_bytes; l += 64) {
+        line_t line;
+        std::memcpy(&line, order[i] + l, sizeof(line));
+        acc ^= line;
+      }
+    }
+    int64_t word = 0;
+    for (int j = 0; j < 8; ++j) word ^= (int64_t)acc[j];
+    folded[at::get_thread_num()] ^= word;
+  });
+  int64_t all = 0;
+  for (int64_t w : folded) all ^= w;
+  return all;
+}
+"""
+
+
+def block_gather(case: Case, x: Inputs) -> Callable[[], None]:
+    """The memory floor of a raw_kernel call: its K/V blocks read whole, no arithmetic."""
+    from torch.utils.cpp_extension import load_inline
+
+    from pagedllm.cpp_build import arch_flags
+
+    ext = load_inline(
+        "pagedllm_block_gather", cpp_sources=_GATHER_SOURCE, functions=["gather_blocks"],
+        extra_cflags=["-O3", "-fopenmp", *arch_flags()], extra_ldflags=["-fopenmp"],
+    )  # fmt: skip
+    blocks = torch.tensor([-(-n // BLOCK_SIZE) for n in case.key_lens], dtype=torch.int64)
+    calls = itertools.count()
+
+    def run() -> None:
+        k_cache, v_cache = x.caches[next(calls) % len(x.caches)]
+        ext.gather_blocks(k_cache, v_cache, x.table, blocks)
+
+    return run
+
+
+def kv_bytes(case: Case, dtype: torch.dtype) -> int:
+    """What one call reads of the paged cache: every K and V block of every sequence."""
+    blocks = sum(-(-n // BLOCK_SIZE) for n in case.key_lens)
+    return 2 * blocks * BLOCK_SIZE * case.kv_heads * case.head_dim * dtype.itemsize
+
+
 def raw_kernel(op: Callable, case: Case, x: Inputs) -> Callable[[], torch.Tensor]:
     """The C++ kernel's op on the paged cache, each call on the next of x's caches."""
     tiles = get_tuning("cpu", case.head_dim, case.heads // case.kv_heads, x.q.dtype)
@@ -219,18 +300,21 @@ def implementations(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     if against is not None:
         name, op = against
-        return {
+        impls = {
             "naive": lambda: naive(case, x, case.head_dim**-0.5),
             "cpu kernel": raw_kernel(torch.ops.pagedllm_attention.varlen_attention, case, x),
             f"cpu kernel @{name}": raw_kernel(op, case, x),
         }
+        if len(x.caches) > 1:
+            impls[GATHER] = block_gather(case, x)
+        return impls
     scale = case.head_dim**-0.5
     torch_backend, cpu_backend = TorchAttentionBackend(), CpuAttentionBackend()
 
     def backend(b):
         return lambda: b.forward(x.q, x.new_k, x.new_v, x.k_cache, x.v_cache, x.metadata, scale, -1)
 
-    return {
+    impls = {
         "naive": lambda: naive(case, x, scale),
         "sdpa/seq": lambda: sdpa_per_sequence(case, x, scale),
         "torch backend": backend(torch_backend),
@@ -239,9 +323,14 @@ def implementations(
             x.q, x.k, x.v, x.cu_q, x.cu_k, max(case.query_lens), max(case.key_lens), causal=True
         ),
     }
+    if len(x.caches) > 1:
+        impls["cpu kernel"] = raw_kernel(torch.ops.pagedllm_attention.varlen_attention, case, x)
+        impls[GATHER] = block_gather(case, x)
+    return impls
 
 
 Timing = tuple[float, float]  # (CPU ms, wall ms)
+GATHER = "block gather"  # a floor, not attention: no output to check
 
 
 def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Timing]:
@@ -259,13 +348,17 @@ def measure(
 ) -> dict[str, Timing]:
     """Best of reps for each implementation (naive: its one reference run); with layers, a
     timing covers `layers` calls (one per cache)."""
-    x = Inputs(case, dtype, layers if against else 1)
+    x = Inputs(case, dtype, layers)
     impls = implementations(case, x, against)
     calls = len(x.caches)
     with torch.inference_mode():
         want, naive_time = timed(impls.pop("naive"))
         best = {"naive": naive_time}
         for name, fn in impls.items():  # warm up, and check every result against naive
+            if name == GATHER:
+                fn()
+                best[name] = (float("inf"), float("inf"))
+                continue
             err = (fn().float() - want.float()).abs().max().item()
             assert err < 5e-2, f"{case.name} {name}: max error {err}"
             best[name] = (float("inf"), float("inf"))
@@ -323,7 +416,8 @@ def main() -> None:
         "--layers",
         type=int,
         default=1,
-        help="with --against: caches taken in turn, one a call (30: a decode step of SmolLM2)",
+        help="the C++ kernel's caches, taken in turn, one a call (30: a decode step of SmolLM2), "
+        "and the block gather over the same blocks",
     )
     parser.add_argument(
         "--dtype",
@@ -338,6 +432,7 @@ def main() -> None:
         raise SystemExit("the C++ kernel did not build; nothing to compare")
     against = (args.against.name, load_against(args.against)) if args.against else None
     results: dict[str, dict[str, float]] = {}
+    reads: list[str] = []  # the kernel's read rate against the block gather's
     for name in args.cases.split(","):
         case = CASES[name]
         results[name] = measure(case, args.reps, args.layers, against, dtype)
@@ -348,7 +443,15 @@ def main() -> None:
             flush=True,
         )
         print(table({name: results[name]}), flush=True)
-    text = table(results)
+        if GATHER in results[name]:
+            mb = kv_bytes(case, dtype) / 1e6
+            kernel, floor = results[name]["cpu kernel"][1], results[name][GATHER][1]
+            reads.append(
+                f"{name}: the kernel reads its {mb:.1f} MB of K/V at {mb / kernel:.1f} GB/s, "
+                f"the block gather at {mb / floor:.1f} GB/s ({floor / kernel:.0%})"
+            )
+            print(reads[-1], flush=True)
+    text = "\n\n".join([table(results), *reads])
     header = f"{machine()}; {cpu_flags()}; {load_average()}"
     if args.against:
         commit = subprocess.run(
