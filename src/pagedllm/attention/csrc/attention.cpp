@@ -449,12 +449,19 @@ void key_offsets(const Problem& p, int b, int64_t j0, int n, int n_pad, int64_t*
     }
     return;
   }
+  // A block's slots at a time, the strides in locals: stores through koff could otherwise
+  // change p's strides as far as the compiler knows, which kept this loop scalar.
   const int32_t* table = p.table + b * p.table_stride;
-  int64_t block = j0 / p.block_size, slot = j0 % p.block_size;
-  for (int c = 0; c < n; ++c) {
-    koff[c] = table[block] * p.k_blk + slot * p.k_slot;
-    voff[c] = table[block] * p.v_blk + slot * p.v_slot;
-    if (++slot == p.block_size) slot = 0, ++block;
+  const int64_t k_blk = p.k_blk, k_slot = p.k_slot, v_blk = p.v_blk, v_slot = p.v_slot;
+  const int64_t block_size = p.block_size;
+  for (int64_t c = 0, block = j0 / block_size, slot = j0 % block_size; c < n; ++block, slot = 0) {
+    const int64_t count = std::min<int64_t>(block_size - slot, n - c);
+    const int64_t k0 = table[block] * k_blk, v0 = table[block] * v_blk;
+    for (int64_t i = 0; i < count; ++i) {
+      koff[c + i] = k0 + (slot + i) * k_slot;
+      voff[c + i] = v0 + (slot + i) * v_slot;
+    }
+    c += count;
   }
   for (int c = n; c < n_pad; ++c) koff[c] = koff[n - 1], voff[c] = voff[n - 1];
 }
@@ -1405,11 +1412,15 @@ void attend_bf16_tiles(const Problem& p, const Item& item, const Item* after, Sc
     const int tile_pad = (n + 15) / 16 * 16;
     padded_keys.fetch_add(tile_pad, std::memory_order_relaxed);
     key_tile_count.fetch_add(1, std::memory_order_relaxed);
-    for (int h = 0; h < H; ++h)
-      for (int c = 0; c < tile_pad; ++c) {
-        w.krow[(size_t)h * tile_pad + c] = kbase + koff[c] + h * p.k_head;
-        w.vrow[(size_t)h * tile_pad + c] = vbase + voff[c] + h * p.v_head;
-      }
+    for (int h = 0; h < H; ++h) {  // through locals: a pointer stored may alias w's vectors
+      const T* const kh = kbase + h * p.k_head;
+      const T* const vh = vbase + h * p.v_head;
+      const void** __restrict kr = w.krow.data() + (size_t)h * tile_pad;
+      const void** __restrict vr = w.vrow.data() + (size_t)h * tile_pad;
+      const int64_t* __restrict ko = koff;
+      const int64_t* __restrict vo = voff;
+      for (int c = 0; c < tile_pad; ++c) kr[c] = kh + ko[c], vr[c] = vh + vo[c];
+    }
     dot_tile(p, w, H, rows, j0, n, tile_pad, next);
     std::swap(koff, koff_next);
     std::swap(voff, voff_next);
