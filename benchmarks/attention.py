@@ -23,8 +23,9 @@ another op namespace ("cpu kernel @DIR").
 layers do, so the keys come from memory rather than the caches (without --against it adds that
 row, "cpu kernel", to the others). It also times "block gather", the memory floor of such a
 call: the same threads reading every K/V block the block table names, whole (a sequence's K
-blocks, then its V blocks; the threads take equal runs of that list), with no arithmetic, each
-block requested into L2 two blocks ahead. The kernel's read rate is printed as a share of it:
+blocks, then its V blocks; the threads take equal runs of that list; the blocks of a shared
+prefix once), with no arithmetic, each block requested into L2 two blocks ahead. The kernel's
+read rate is printed as a share of it:
 
     python benchmarks/attention.py --threads 2 --layers 30 --cases decode-smollm2-48
 
@@ -65,16 +66,23 @@ class Case:
     kv_heads: int
     head_dim: int
     naive_head_chunk: int  # heads per naive pass, to bound its [B, h, Lq, Lk] scores
+    shared: int = 0  # keys every sequence starts with, in the same blocks (a cached prefix)
 
     def blocks(self) -> list[int]:
         """Each sequence's blocks of the paged cache (BLOCK_SIZE keys each)."""
         return [-(-n // BLOCK_SIZE) for n in self.key_lens]
+
+    def own_blocks(self) -> list[int]:
+        """Each sequence's blocks besides the shared prefix's (the first holds them too)."""
+        skip = self.shared // BLOCK_SIZE
+        return [n - (skip if i else 0) for i, n in enumerate(self.blocks())]
 
 
 def spread(n: int, lo: int, hi: int) -> list[int]:
     return [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
 
 
+SHARED_KEYS = [256 + n for n in spread(64, 40, 170)]
 CASES = {
     c.name: c
     for c in [
@@ -88,6 +96,9 @@ CASES = {
         Case("decode-smollm2-48", [1] * 48, spread(48, 100, 600), 9, 3, 64, 9),
         Case("decode-smollm2-1", [1], [330], 9, 3, 64, 9),
         Case("prefill-smollm2-4", [150, 200, 288, 400], [150, 200, 288, 400], 9, 3, 64, 9),
+        # the shared-prefix workload's decode (benchmarks/throughput.py): 64 sequences behind
+        # one cached 256-token prompt, with 40-170 keys of their own
+        Case("decode-125m-shared", [1] * 64, SHARED_KEYS, 12, 4, 64, 12, shared=256),
     ]
 }
 BLOCK_SIZE = 16
@@ -105,16 +116,21 @@ class Inputs:
         self.v = torch.randn(total_k, case.kv_heads, case.head_dim, generator=g).to(dtype)
         self.cu_q = self._cu(case.query_lens)
         self.cu_k = self._cu(case.key_lens)
-        blocks = case.blocks()
-        ids = torch.randperm(sum(blocks), generator=g).int()  # shuffled like a used cache
-        shape = (sum(blocks), BLOCK_SIZE, case.kv_heads, case.head_dim)
+        for start in self.cu_k[1:-1].tolist():  # the shared prefix: the first sequence's keys
+            self.k[start : start + case.shared] = self.k[: case.shared]
+            self.v[start : start + case.shared] = self.v[: case.shared]
+        blocks, own, skip = case.blocks(), case.own_blocks(), case.shared // BLOCK_SIZE
+        ids = torch.randperm(sum(own), generator=g).int()  # shuffled like a used cache
+        shape = (sum(own), BLOCK_SIZE, case.kv_heads, case.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
         table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
         slots, new_rows, start = [], [], 0
         for i, (n_blocks, key_len, q_len) in enumerate(zip(blocks, case.key_lens, case.query_lens)):
-            table[i, :n_blocks] = ids[start : start + n_blocks]
-            start += n_blocks
+            first = skip if i else 0  # later sequences' prefix: the first sequence's blocks
+            table[i, :first] = table[0, :first]
+            table[i, first:n_blocks] = ids[start : start + n_blocks - first]
+            start += n_blocks - first
             pos = torch.arange(key_len)
             seq_slots = table[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
             slots.append(seq_slots)
@@ -244,7 +260,8 @@ int64_t gather_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor table,
 
 
 def block_gather(case: Case, x: Inputs) -> Callable[[], None]:
-    """The memory floor of a raw_kernel call: its K/V blocks read whole, no arithmetic."""
+    """The memory floor of a raw_kernel call: its K/V blocks read whole, no arithmetic (a
+    shared prefix's blocks once)."""
     from torch.utils.cpp_extension import load_inline
 
     from pagedllm.cpp_build import arch_flags
@@ -253,19 +270,24 @@ def block_gather(case: Case, x: Inputs) -> Callable[[], None]:
         "pagedllm_block_gather", cpp_sources=_GATHER_SOURCE, functions=["gather_blocks"],
         extra_cflags=["-O3", "-fopenmp", *arch_flags()], extra_ldflags=["-fopenmp"],
     )  # fmt: skip
-    blocks = torch.tensor(case.blocks(), dtype=torch.int64)
+    own = case.own_blocks()
+    skip = [n - o for n, o in zip(case.blocks(), own)]
+    table = torch.zeros_like(x.table)
+    for i, (first, n) in enumerate(zip(skip, own)):
+        table[i, :n] = x.table[i, first : first + n]
+    blocks = torch.tensor(own, dtype=torch.int64)
     calls = itertools.count()
 
     def run() -> None:
         k_cache, v_cache = x.caches[next(calls) % len(x.caches)]
-        ext.gather_blocks(k_cache, v_cache, x.table, blocks)
+        ext.gather_blocks(k_cache, v_cache, table, blocks)
 
     return run
 
 
 def kv_bytes(case: Case, dtype: torch.dtype) -> int:
-    """What one call reads of the paged cache: every K and V block of every sequence."""
-    return 2 * sum(case.blocks()) * BLOCK_SIZE * case.kv_heads * case.head_dim * dtype.itemsize
+    """What one call reads of the paged cache: every K and V block, a shared one once."""
+    return 2 * sum(case.own_blocks()) * BLOCK_SIZE * case.kv_heads * case.head_dim * dtype.itemsize
 
 
 def raw_kernel(op: Callable, case: Case, x: Inputs) -> Callable[[], torch.Tensor]:
