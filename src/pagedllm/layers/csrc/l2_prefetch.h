@@ -1,4 +1,4 @@
-// A request for one cache line into L2, shared by the product libraries of this folder.
+// Requests for one cache line (into L2; for writing), shared by the product libraries of this folder.
 #pragma once
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
@@ -12,6 +12,12 @@ namespace pagedllm_cpu {
 // check the built library for both.
 inline void to_l2(const void* line) {
   asm volatile("prefetcht1 (%0)" : : "r"(line));
+}
+
+// prefetchw: the line requested for writing, owned by this core when the store comes (an
+// asm statement for the same reasons as to_l2).
+inline void to_write(const void* line) {
+  asm volatile("prefetchw (%0)" : : "r"(line));
 }
 
 }  // namespace pagedllm_cpu
