@@ -5,11 +5,11 @@ each kernel is built on, with nothing else in the loop.
 
 For each instruction this CPU has (vdpbf16ps: the bf16 panels and attention; vfmadd231ps on
 zmm / ymm: fp32; vpdpbusd: the int8 kernels), every thread runs 24 independent accumulators
-(more than latency x throughput on the cores seen so far) through it for about --seconds,
-and the best of five rounds is printed as GFLOP/s (GOP/s for int8), a multiply-add counted
-as two. A GEMM's rate over this is the share of the cores' arithmetic it reaches; the GEMM
-rates that benchmarks/compare.py measures (torch's) are what a library gets at the same
-shapes, a lower bar.
+(12 on ymm, which has 16 registers; more than latency x throughput on the cores seen so far)
+through it for about --seconds, and the best of five rounds is printed as GFLOP/s (GOP/s for
+int8), a multiply-add counted as two. A GEMM's rate over this is the share of the cores'
+arithmetic it reaches; the GEMM rates that benchmarks/compare.py measures (torch's) are what a
+library gets at the same shapes, a lower bar.
 """
 
 from __future__ import annotations
