@@ -72,10 +72,13 @@ class Case:
         """Each sequence's blocks of the paged cache (BLOCK_SIZE keys each)."""
         return [-(-n // BLOCK_SIZE) for n in self.key_lens]
 
+    def borrowed_blocks(self) -> list[int]:
+        """Each sequence's first blocks that are the first sequence's (the shared prefix)."""
+        return [self.shared // BLOCK_SIZE if i else 0 for i in range(len(self.key_lens))]
+
     def own_blocks(self) -> list[int]:
-        """Each sequence's blocks besides the shared prefix's (the first holds them too)."""
-        skip = self.shared // BLOCK_SIZE
-        return [n - (skip if i else 0) for i, n in enumerate(self.blocks())]
+        """Each sequence's blocks besides those it borrows."""
+        return [n - b for n, b in zip(self.blocks(), self.borrowed_blocks())]
 
 
 def spread(n: int, lo: int, hi: int) -> list[int]:
@@ -119,7 +122,7 @@ class Inputs:
         for start in self.cu_k[1:-1].tolist():  # the shared prefix: the first sequence's keys
             self.k[start : start + case.shared] = self.k[: case.shared]
             self.v[start : start + case.shared] = self.v[: case.shared]
-        blocks, own, skip = case.blocks(), case.own_blocks(), case.shared // BLOCK_SIZE
+        blocks, own, borrowed = case.blocks(), case.own_blocks(), case.borrowed_blocks()
         ids = torch.randperm(sum(own), generator=g).int()  # shuffled like a used cache
         shape = (sum(own), BLOCK_SIZE, case.kv_heads, case.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype)
@@ -127,7 +130,7 @@ class Inputs:
         table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
         slots, new_rows, start = [], [], 0
         for i, (n_blocks, key_len, q_len) in enumerate(zip(blocks, case.key_lens, case.query_lens)):
-            first = skip if i else 0  # later sequences' prefix: the first sequence's blocks
+            first = borrowed[i]
             table[i, :first] = table[0, :first]
             table[i, first:n_blocks] = ids[start : start + n_blocks - first]
             start += n_blocks - first
@@ -271,9 +274,8 @@ def block_gather(case: Case, x: Inputs) -> Callable[[], None]:
         extra_cflags=["-O3", "-fopenmp", *arch_flags()], extra_ldflags=["-fopenmp"],
     )  # fmt: skip
     own = case.own_blocks()
-    skip = [n - o for n, o in zip(case.blocks(), own)]
     table = torch.zeros_like(x.table)
-    for i, (first, n) in enumerate(zip(skip, own)):
+    for i, (first, n) in enumerate(zip(case.borrowed_blocks(), own)):
         table[i, :n] = x.table[i, first : first + n]
     blocks = torch.tensor(own, dtype=torch.int64)
     calls = itertools.count()
