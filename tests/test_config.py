@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import EngineArgs
 
@@ -83,3 +84,18 @@ def test_every_engine_flag_has_its_help_next_to_its_field():
 
     for f in dataclasses.fields(EngineArgs):
         assert f.metadata.get("help"), f"EngineArgs.{f.name} has no help"
+
+
+@pytest.mark.parametrize(
+    "dtype, name", [(torch.bfloat16, "bfloat16"), (torch.float32, "float32"), ("half", "half")]
+)
+def test_dtype_takes_a_torch_dtype_as_vllm_does(tiny_llama, dtype, name):
+    args = EngineArgs(model=str(tiny_llama), dtype=dtype)
+    assert args.dtype == name
+    expected = {"half": "float16"}.get(name, name)
+    assert args.create_engine_config().model.dtype == expected
+
+
+def test_dtype_names_the_field_for_a_dtype_it_does_not_run(tiny_llama):
+    with pytest.raises(ValueError, match="dtype must be one of .*got 'float64'"):
+        EngineArgs(model=str(tiny_llama), dtype=torch.float64).create_engine_config()

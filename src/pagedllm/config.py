@@ -427,6 +427,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.partition_config = _merge_deprecated_partition_fields(self)
+        self.dtype = _dtype_name(self.dtype)
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -664,6 +665,15 @@ def _max_model_len(hf_config: Any, requested: int | None) -> int:
 def _resolve_cache_dtype(name: str) -> str:
     """kv_cache_dtype as CacheConfig keeps it: "auto" or a FLOAT_DTYPES name."""
     return _KV_CACHE_DTYPE_ALIASES.get(name, name)
+
+
+def _dtype_name(dtype: Any) -> Any:
+    """A torch.dtype given for dtype (vLLM takes both) as its name: torch.bfloat16 ->
+    "bfloat16"; anything else as given, for _verify to judge."""
+    text = str(dtype)
+    if not isinstance(dtype, str) and text.startswith("torch."):
+        return text.removeprefix("torch.")
+    return dtype
 
 
 def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:

@@ -6,11 +6,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import IntEnum
 from numbers import Integral, Real
 from typing import Any
 
 # Largest number of top logprobs a request may ask for (per generated / prompt token).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names and values).
+
+    CUMULATIVE: after every step, everything generated so far (the default).
+    DELTA: after every step, only what that step added: its tokens, text and logprobs (the
+    prompt logprobs in the first output only).
+    FINAL_ONLY: nothing until the request ends, then all of it, as CUMULATIVE's last output
+    (``LLM.generate``: a step then builds no output for the requests still running)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _check_int(name: str, value: object, *, minimum: int | None = None) -> None:
@@ -125,6 +140,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # False: added tokens join the text unspaced
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each output carries
     output_text_buffer_length: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +159,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if not isinstance(self.output_kind, bool) and self.output_kind in set(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)  # an int off a wire
+        else:
+            kinds = ", ".join(k.name for k in RequestOutputKind)
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind ({kinds}), got {self.output_kind!r}."
+            )
         self._verify()
         if self.stop and not self.include_stop_str_in_output:
             # Hold back enough characters that a partly generated stop string never streams.

@@ -90,6 +90,42 @@ def test_hit_rechecks_tokens_on_hash_collision(monkeypatch):
     assert bm.find_cached_blocks(make_seq(1, [9, 9, 9])) == []
 
 
+def test_decode_looks_only_at_the_blocks_filled_since_its_last_step():
+    """A decoding sequence's step looks at the blocks filled since its last one, not at its
+    whole table again: each block is looked at once, when its last token is computed, and
+    registered then."""
+
+    class CountingBlocks(list):
+        looked = 0
+
+        def __getitem__(self, i):
+            CountingBlocks.looked += 1
+            return super().__getitem__(i)
+
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    bm.blocks = CountingBlocks(bm.blocks)
+    seq = make_seq(0, list(range(6)))
+    assert bm.allocate(seq, 6)
+    seq.num_computed_tokens = 6
+    bm.cache_full_blocks(seq)
+    assert len(bm.hash_to_block) == 1
+    looked = []
+    for token in range(100, 130):  # 30 decode steps: one token computed a step
+        seq.append_token(token)
+        assert bm.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+        CountingBlocks.looked = 0
+        bm.cache_full_blocks(seq)
+        looked.append(CountingBlocks.looked)
+        assert len(bm.hash_to_block) == seq.num_computed_tokens // 4  # registered once full
+        bm.check_integrity([seq])
+    assert looked == [1 if (7 + i) % 4 == 0 else 0 for i in range(30)]
+    bm.free(seq)
+    bm.check_integrity([])  # nothing left tracked for the freed sequence
+    again = make_seq(1, list(seq.token_ids))  # its blocks serve a later prompt
+    assert len(bm.find_cached_blocks(again)) == (seq.num_tokens - 1) // 4
+
+
 def test_random_workload_keeps_invariants():
     rng = random.Random(0)
     bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=True)

@@ -125,6 +125,8 @@ def test_logprobs_match_hf_log_softmax(llm, model_factory):
         ("stop", [""]),
         ("temperature", "hot"),
         ("n", True),
+        ("output_kind", 3),
+        ("output_kind", "delta"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):

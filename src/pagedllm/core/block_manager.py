@@ -116,6 +116,9 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks[reserved:])
         self.num_released_blocks = 0  # cumulative: blocks released for leaving the window
         self.hash_to_block: dict[int, Block] = {}
+        # seq_id -> the blocks of its table that cache_full_blocks has registered or passed
+        # over: each step looks at the blocks filled since, not the whole table again
+        self._blocks_seen: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which found in the cache
         self.events: KVEventLog | None = None  # set to record KV-cache events
@@ -230,11 +233,15 @@ class BlockManager:
         """Register seq's blocks that are now full and computed under their hashes."""
         if not self.enable_prefix_caching:
             return
-        self.update_block_hashes(seq)
         table = self.table(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        seen = self._blocks_seen.get(seq.seq_id, 0)
+        if num_full <= seen:
+            return
+        self._blocks_seen[seq.seq_id] = num_full
+        self.update_block_hashes(seq)
         stored: list[int] = []  # indexes of the blocks cached by this call, for events
-        for i in range(num_full):
+        for i in range(seen, num_full):
             block = self.blocks[table[i]]
             if block.block_hash is not None or block.block_id == self.null_block_id:
                 continue
@@ -282,6 +289,7 @@ class BlockManager:
             if block_id != self.null_block_id:
                 self._release(self.blocks[block_id])
         self._set_table(seq, [])
+        self._blocks_seen.pop(seq.seq_id, None)
 
     def release_outside_window(self, seq: Sequence) -> int:
         """Release seq's blocks that lie wholly before the oldest key any of its future
@@ -362,6 +370,8 @@ class BlockManager:
         for block_hash, block in self.hash_to_block.items():
             assert block.block_hash == block_hash, "hash index points at a re-used block"
         if live is not None:
+            gone = set(self._blocks_seen) - {seq.seq_id for seq in live}
+            assert not gone, f"cache_full_blocks still tracks freed sequences {sorted(gone)}"
             refs = [0] * len(self.blocks)
             for seq in live:
                 self._check_window(seq)

@@ -18,6 +18,7 @@ from pagedllm.core.sequence import Sequence, SequenceStatus
 from pagedllm.core.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
 from pagedllm.engine.input_processor import ProcessedRequest
 from pagedllm.engine.request_state import RequestState, SequenceOutputState
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.worker.model_runner import ModelOutput
 
 # Scheduler.finish: ends a sequence (with a stop string as its stop_reason, if any).
@@ -58,8 +59,10 @@ class OutputProcessor:
             touched[seq.request_id] = state
         results = []
         for state in touched.values():
-            results.append(state.to_output())
-            if state.finished:
+            finished = state.finished
+            if finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                results.append(state.to_output())
+            if finished:
                 iteration.finished_requests.append(self.finish_request(state, now))
         return results
 

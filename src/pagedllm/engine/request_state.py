@@ -8,7 +8,7 @@ from typing import Any
 from pagedllm.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedllm.core.sequence import Sequence
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -20,6 +20,10 @@ class SequenceOutputState:
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float | None
     text: str = ""  # emitted text (stop strings already cut off)
+    # what earlier outputs carried (output_kind DELTA): tokens, characters, logprob entries
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_logprobs: int = 0
 
     def check_stop_strings(self, delta: str) -> str | None:
         """Cut self.text at the first stop string that the newest delta completed; returns
@@ -55,6 +59,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     error: str | None = None
+    prompt_logprobs_sent: bool = False  # an output carried them (DELTA sends them once)
 
     @classmethod
     def create(
@@ -96,26 +101,41 @@ class RequestState:
         return all(s.seq.is_finished for s in self.seqs)
 
     def to_output(self) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.seq.index,
-                text=s.visible_text(),
-                token_ids=list(s.seq.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.seq.status.finish_reason,
-                stop_reason=s.seq.stop_reason,
-            )
-            for s in self.seqs
-        ]
+        """The request as its output_kind reports it: everything so far, or with DELTA what
+        was added since the last output (the prompt logprobs with the first one only)."""
+        delta = self.params.output_kind == RequestOutputKind.DELTA
+        outputs = [self._completion(s, delta) for s in self.seqs]
+        prompt_logprobs = self.prompt_logprobs
+        if delta and self.prompt_logprobs_sent:
+            prompt_logprobs = None
+        self.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=max(self.seqs[0].seq.num_cached_tokens, 0),
             error=self.error,
+        )
+
+    @staticmethod
+    def _completion(s: SequenceOutputState, delta: bool) -> CompletionOutput:
+        text, tokens, logprobs = s.visible_text(), s.seq.output_token_ids, s.logprobs
+        if delta:
+            text, tokens = text[s.sent_chars :], tokens[s.sent_tokens :]
+            logprobs = logprobs[s.sent_logprobs :] if logprobs is not None else None
+            s.sent_chars += len(text)
+            s.sent_tokens += len(tokens)
+            s.sent_logprobs += len(logprobs or ())
+        return CompletionOutput(
+            index=s.seq.index,
+            text=text,
+            token_ids=list(tokens),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=s.seq.status.finish_reason,
+            stop_reason=s.seq.stop_reason,
         )

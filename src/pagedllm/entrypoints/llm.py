@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import itertools
@@ -15,7 +16,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -74,6 +75,12 @@ class LLM:
             lora_list = list(lora_request)
             if len(lora_list) != len(prompt_list):
                 raise ValueError("lora_request must be one LoRARequest or one per prompt.")
+        # generate returns each request's last output only: the steps build none before it
+        final: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in final:
+                final[id(params)] = _final_only(params)
+        params_list = [final[id(params)] for params in params_list]
         ids = []
         try:
             for prompt, params, lora in zip(prompt_list, params_list, lora_list):
@@ -125,6 +132,16 @@ class LLM:
                 bar.set_postfix_str(f"output {generated / elapsed:.1f} tok/s", refresh=False)
         bar.close()
         return [finished[i] for i in ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """params with output_kind FINAL_ONLY, as vLLM's LLM runs its requests; the caller's
+    object stays as it was (anything else is left for add_request to refuse)."""
+    if not isinstance(params, SamplingParams) or params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    params = copy.copy(params)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 @contextlib.contextmanager

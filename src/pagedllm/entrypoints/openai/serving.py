@@ -40,7 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizerInfo,
     UsageInfo,
 )
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -241,6 +241,9 @@ class OpenAIServing:
         """Queue one engine request per prompt; then either the server-sent events that
         ``events(streams)`` writes (ended by an error event if needed and ``[DONE]``), or
         the final output of each request, aborted if the client goes away first."""
+        if not stream:  # only each request's last output is read: the steps build no other
+            for _, params in prompts:
+                params.output_kind = RequestOutputKind.FINAL_ONLY
         streams = await self.add_requests(request_id, prompts, model_name)
         if stream:
             return event_stream(sse_body(events(streams)), streams)
