@@ -37,11 +37,17 @@ _ARENA_FLAG = "_pagedllm_arena"  # set on an arena's storage (torch keeps its Py
 _TRIM_EVERY = 256 << 20  # bytes copied between returns of freed heap: the move's peak stays low
 
 
-def _arena_memory(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping of nbytes, advised for huge pages where the OS has them."""
+def private_memory(nbytes: int) -> mmap.mmap:
+    """nbytes of anonymous memory private to this process, zero until written (``mmap``'s
+    default mapping is shared: shared memory in the kernel, dearer to fault in)."""
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: anonymous memory, private to the process
         return mmap.mmap(-1, nbytes)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _arena_memory(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of nbytes, advised for huge pages where the OS has them."""
+    buf = private_memory(nbytes)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)

@@ -38,7 +38,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.worker.cpu_decoder import CpuFusedDecoder, run_fused
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from pagedllm.worker.huge_pages import gather_weights
+from pagedllm.worker.huge_pages import gather_weights, private_memory
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sampler import GrammarMask, Sampler, TokenLogprobs, gather_logprobs
 from pagedllm.worker.spec_decode.speculator import Speculator
@@ -445,9 +445,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             return torch.zeros(numel, dtype=self.kv_dtype, device=self.device)
         nbytes = numel * torch.empty(0, dtype=self.kv_dtype).element_size()
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        # kept alive as long as the cache; Windows has no flags (its anonymous memory is private)
-        self._kv_buffer = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+        self._kv_buffer = private_memory(nbytes)  # kept alive as long as the cache
         return torch.frombuffer(self._kv_buffer, dtype=self.kv_dtype)
 
     # ---- one step ------------------------------------------------------------------------
