@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 
@@ -15,6 +16,7 @@ from pagedllm.engine.async_engine import (
     EngineError,
     EngineOverloadedError,
 )
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.worker.executor import ExecutorLostError
 
 
@@ -197,14 +199,20 @@ def test_engine_error_fails_running_requests_then_recovers(engine, monkeypatch, 
     assert asyncio.run(final_text(engine, "The quick", "after", max_tokens=5))
 
 
-def test_a_reader_behind_the_engine_loses_no_text(engine) -> None:
-    """Outputs are cumulative: a reader that reads only once the request has finished gets
-    one output, the final one, holding all of the text (the stream keeps the newest output
-    and so drops no text, however far behind its reader is)."""
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_a_reader_behind_the_engine_loses_no_text(engine, kind) -> None:
+    """A reader that reads only once the request has finished gets one output holding all of
+    it: the stream replaces a cumulative output it holds by the newer one, and adds a newer
+    delta to the one it holds (tokens, text, logprobs of both choices, the prompt's logprobs
+    from the first)."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1
+    )
 
     async def main() -> list:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        stream = await engine.add_request("late", "The quick", params)
+        late = copy.copy(params)
+        late.output_kind = kind
+        stream = await engine.add_request("late", "The quick", late)
         deadline = time.monotonic() + 60
         while engine.submit(lambda e: e.has_unfinished_requests()).result(timeout=30):
             assert time.monotonic() < deadline, "the request never finished"
@@ -215,7 +223,16 @@ def test_a_reader_behind_the_engine_loses_no_text(engine) -> None:
         await asyncio.sleep(0)
         return [out async for out in stream.outputs()]
 
+    async def alone():  # noqa: ANN202
+        return [out async for out in engine.generate("The quick", params, "alone")][-1]
+
     outs = asyncio.run(main())
+    want = asyncio.run(alone())
     assert len(outs) == 1 and outs[0].finished
-    assert len(outs[0].outputs[0].token_ids) == 12
-    assert outs[0].outputs[0].text == asyncio.run(final_text(engine, "The quick", "alone"))
+    (got,) = outs
+    assert got.prompt_logprobs == want.prompt_logprobs and len(got.prompt_logprobs) > 1
+    for comp, expected in zip(got.outputs, want.outputs, strict=True):
+        assert len(comp.token_ids) == 12 and comp.token_ids == expected.token_ids
+        assert comp.text == expected.text and comp.finish_reason == "length"
+        assert comp.logprobs == expected.logprobs and len(comp.logprobs) == 12
+        assert comp.cumulative_logprob == pytest.approx(expected.cumulative_logprob)

@@ -84,17 +84,22 @@ def test_echo_logprobs_then_generated_ones(url, tiny_llama) -> None:
 
 
 def test_streamed_echo_logprobs_equal_the_plain_response(url) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
-    plain = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]
-    chunks = []
+    # n=2: the stream's outputs are deltas, and only the first carries the prompt's logprobs;
+    # the second choice's echo must still have them, whichever output starts it.
+    body = {"prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 2, "n": 2, "seed": 3}
+    plain = httpx.post(url + "/v1/completions", json=body).json()["choices"]
+    chunks: dict[int, list[dict]] = {0: [], 1: []}
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                chunks.append(json.loads(line[6:])["choices"][0])
-    assert "".join(c["text"] for c in chunks) == plain["text"]
-    for key in ("tokens", "token_logprobs", "text_offset"):
-        joined = [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
-        assert joined == pytest.approx(plain["logprobs"][key]), key
+                for choice in json.loads(line[6:])["choices"]:
+                    chunks[choice["index"]].append(choice)
+    for index, want in enumerate(plain):
+        got = chunks[index]
+        assert "".join(c["text"] for c in got) == want["text"] and want["text"].startswith(PROMPT)
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            joined = [v for c in got if c["logprobs"] for v in c["logprobs"][key]]
+            assert joined == pytest.approx(want["logprobs"][key]), key
 
 
 def test_token_id_prompts_are_scored_each(url, tiny_llama, offline) -> None:

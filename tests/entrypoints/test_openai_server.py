@@ -107,10 +107,10 @@ def test_streamed_completion_concatenates_to_the_plain_one(server) -> None:
         )
     )
     text_chunks = [c for c in chunks if c.choices]
-    # How many chunks there are is not fixed: a request's outputs are cumulative, and when
-    # the reader is behind the engine the stream hands it the newest, whose delta holds all
-    # the text since the last chunk (no text is lost, as the join below shows). That a
-    # stream delivers text while the request still runs: test_streaming_client_disconnect_*.
+    # How many chunks there are is not fixed: a stream's outputs are deltas, and when the
+    # reader is behind the engine the stream adds the newer ones to the one it holds, so a
+    # chunk holds all the text since the last one (no text is lost, as the join below shows).
+    # That a stream delivers text while the request still runs: test_streaming_client_*.
     assert text_chunks and all(c.choices[0].text for c in text_chunks)
     assert "".join(c.choices[0].text for c in text_chunks) == plain.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason

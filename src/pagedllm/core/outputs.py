@@ -55,3 +55,26 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = field(default=None)  # set when finish_reason is "error"
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later output of the same request, with output_kind DELTA, into this one:
+        a consumer that fell a step behind reads the two as one delta."""
+        mine = {c.index: c for c in self.outputs}
+        for comp in later.outputs:
+            prev = mine.get(comp.index)
+            if prev is None:
+                self.outputs.append(comp)
+                continue
+            prev.text += comp.text
+            prev.token_ids = prev.token_ids + comp.token_ids
+            if comp.logprobs is not None:
+                prev.logprobs = (prev.logprobs or []) + comp.logprobs
+            prev.cumulative_logprob = comp.cumulative_logprob
+            prev.finish_reason = comp.finish_reason
+            prev.stop_reason = comp.stop_reason
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error

@@ -4,8 +4,9 @@ Only the engine thread touches the LLMEngine. Callers submit work (add a request
 read a statistic) as commands on a queue; the thread runs them between steps, so a request
 added while a batch runs joins the next step, and the event loop never blocks on the model.
 Each request has a ``RequestStream`` that the engine thread fills through
-``loop.call_soon_threadsafe``. Outputs are cumulative, so a stream keeps only the newest one: a
-slow consumer skips intermediate states and loses nothing.
+``loop.call_soon_threadsafe``. A stream holds one unread output: a cumulative output replaces
+the one before it, a ``DELTA`` output is added to it, so a slow consumer skips intermediate
+states and loses nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 from pagedllm.config import EngineArgs
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ class EngineOverloadedError(RuntimeError):
 class RequestStream:
     """The outputs of one request, filled by the engine thread and read on the caller's loop.
 
-    Only the newest output is kept (outputs are cumulative); an error is final. ``abort()`` is
-    idempotent and does nothing once the request has finished.
+    One output waits to be read: a newer cumulative output replaces it, a newer delta
+    (``deltas``: the request's output_kind is DELTA) is added to it. An error is final.
+    ``abort()`` is idempotent and does nothing once the request has finished.
     """
 
     def __init__(
@@ -57,9 +59,11 @@ class RequestStream:
         request_id: str,
         loop: asyncio.AbstractEventLoop,
         on_abort: Callable[[RequestStream], None],
+        deltas: bool = False,
     ) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.deltas = deltas
         self.finished = False  # the final output has been read
         self._on_abort = on_abort
         self._aborted = False
@@ -75,7 +79,11 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(self._item, BaseException):
             return
-        self._item = item  # cumulative outputs: the newest one supersedes the rest
+        pending = self._item
+        if self.deltas and isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            pending.add(item)
+        else:
+            self._item = item
         self._ready.set()
 
     async def get(self) -> RequestOutput:
@@ -115,7 +123,7 @@ _STOP = object()  # queue sentinel that ends the engine thread
 class AsyncLLMEngine:
     """An LLMEngine behind a background thread, with per-request async output streams.
 
-    ``generate(prompt, params, request_id)`` is an async iterator of cumulative RequestOutputs;
+    ``generate(prompt, params, request_id)`` is an async iterator of RequestOutputs (see above);
     leaving it early (break, cancellation, client disconnect) aborts the request and frees its
     KV blocks. A failed step fails every in-flight request with EngineError.
     """
@@ -204,7 +212,10 @@ class AsyncLLMEngine:
 
         Raises ValueError (bad request), EngineOverloadedError (queue full) or EngineDeadError.
         """
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self._abort_later)
+        deltas = sampling_params.output_kind == RequestOutputKind.DELTA
+        stream = RequestStream(
+            request_id, asyncio.get_running_loop(), self._abort_later, deltas=deltas
+        )
         added = self.submit(
             lambda engine: self._add(
                 engine, stream, prompt, sampling_params, arrival_time, lora_request
@@ -225,7 +236,8 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs until it finishes.
+        """Add a request and yield its outputs until it finishes: everything so far each
+        time, or with output_kind DELTA what came since the output before.
 
         Leaving the iteration early (break, cancellation) aborts the request.
         """

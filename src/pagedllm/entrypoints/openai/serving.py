@@ -241,9 +241,8 @@ class OpenAIServing:
         """Queue one engine request per prompt; then either the server-sent events that
         ``events(streams)`` writes (ended by an error event if needed and ``[DONE]``), or
         the final output of each request, aborted if the client goes away first."""
-        if not stream:  # only each request's last output is read: the steps build no other
-            for _, params in prompts:
-                params.output_kind = RequestOutputKind.FINAL_ONLY
+        for _, params in prompts:
+            choose_output_kind(params, stream)
         streams = await self.add_requests(request_id, prompts, model_name)
         if stream:
             return event_stream(sse_body(events(streams)), streams)
@@ -422,6 +421,12 @@ def engine_error(error: BaseException) -> BaseException:
 
 
 # ---- outputs -----------------------------------------------------------------------------
+def choose_output_kind(params: SamplingParams, stream: bool) -> None:
+    """What the engine builds for a request: a stream reads each step's new tokens (DELTA),
+    a response only the last output (FINAL_ONLY); neither copies what it has already."""
+    params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
 @dataclass
 class ChoiceDelta:
     """What one choice gained since the previous delta."""
@@ -435,42 +440,44 @@ class ChoiceDelta:
 
 @dataclass
 class DeltaTracker:
-    """Turns cumulative RequestOutputs of one prompt into per-choice deltas.
+    """Turns the DELTA RequestOutputs of one prompt into per-choice deltas, and counts the
+    tokens for the usage.
 
     A delta is produced when a choice has new text or has finished; tokens without visible
     text yet (a partial UTF-8 character, a held-back stop string) ride with the next one.
     """
 
     index_offset: int = 0
-    sent_chars: dict[int, int] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)
+    held: dict[int, ChoiceDelta] = field(default_factory=dict)  # tokens awaiting their text
     done: set[int] = field(default_factory=set)
-    last: RequestOutput | None = None
+    prompt_tokens: int = 0
+    completion_tokens: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the first output carries them
 
     def update(self, out: RequestOutput) -> list[ChoiceDelta]:
-        self.last = out
+        self.prompt_tokens = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         deltas = []
         for comp in out.outputs:
             if comp.index in self.done:
                 continue
-            chars = self.sent_chars.get(comp.index, 0)
-            tokens = self.sent_tokens.get(comp.index, 0)
-            text = comp.text[chars:]
-            if not text and comp.finish_reason is None:
+            count = self.completion_tokens.get(comp.index, 0) + len(comp.token_ids)
+            self.completion_tokens[comp.index] = count
+            delta = self.held.pop(comp.index, None)
+            if delta is None:
+                index = self.index_offset + comp.index
+                delta = ChoiceDelta(index, "", [], None, None)
+            delta.text += comp.text
+            delta.token_ids += comp.token_ids
+            if comp.logprobs is not None:
+                delta.logprobs = (delta.logprobs or []) + comp.logprobs
+            delta.finish_reason = comp.finish_reason
+            if not delta.text and delta.finish_reason is None:
+                self.held[comp.index] = delta
                 continue
-            new_logprobs = comp.logprobs[tokens:] if comp.logprobs is not None else None
-            deltas.append(
-                ChoiceDelta(
-                    self.index_offset + comp.index,
-                    text,
-                    comp.token_ids[tokens:],
-                    new_logprobs,
-                    comp.finish_reason,
-                )
-            )
-            self.sent_chars[comp.index] = len(comp.text)
-            self.sent_tokens[comp.index] = len(comp.token_ids)
-            if comp.finish_reason is not None:
+            deltas.append(delta)
+            if delta.finish_reason is not None:
                 self.done.add(comp.index)
         return deltas
 
@@ -479,6 +486,15 @@ def usage_info(outputs: Sequence[RequestOutput | None]) -> UsageInfo:
     """Token counts over the requests of one API call (all n choices of each)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
     completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def streamed_usage(trackers: Sequence[DeltaTracker]) -> UsageInfo:
+    """usage_info of a streamed API call, from what its trackers counted."""
+    prompt = sum(t.prompt_tokens for t in trackers)
+    completion = sum(sum(t.completion_tokens.values()) for t in trackers)
     return UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )

@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.serving import (
     constraint_error,
     merge_streams,
     sse,
+    streamed_usage,
     top_entries,
     usage_info,
 )
@@ -288,13 +289,13 @@ class OpenAIServingChat(OpenAIServing):
         async for choice in self.stream_choices(prep, stream, tracker):
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage_info([tracker.last]))
+            yield chunk([], streamed_usage([tracker]))
 
     async def stream_choices(
         self, prep: PreparedChat, stream: RequestStream, tracker: DeltaTracker
     ) -> AsyncIterator[ChatStreamChoice]:
         """The streamed deltas of every choice, each choice ended by one with its
-        finish_reason (``tracker.last`` is the last output, for the usage)."""
+        finish_reason (``tracker`` counts the tokens, for the usage)."""
         n, top, mode = prep.req.n, prep.top, prep.mode
         splitters = {index: _ChoiceSplitter(self._reasoning(prep.text)) for index in range(n)}
         parsers = {index: self._parser(mode) for index in range(n)}

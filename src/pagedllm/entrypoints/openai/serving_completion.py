@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.serving import (
     ServingError,
     merge_streams,
     sse,
+    streamed_usage,
     top_entries,
     usage_info,
 )
@@ -224,7 +225,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 # A choice's first chunk carries the echoed prompt and the prompt's logprobs.
                 first = d.index not in sent
                 if first:
-                    sent[d.index] = self._prompt_logprobs(echoes[i], out.prompt_logprobs)
+                    sent[d.index] = self._prompt_logprobs(echoes[i], trackers[i].prompt_logprobs)
                 so_far = sent[d.index]
                 start = 0 if first else len(so_far.tokens)
                 logprobs = None
@@ -242,4 +243,4 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage_info([self._visible(req, t.last) for t in trackers if t.last]))
+            yield chunk([], streamed_usage(trackers))

@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import (
     DeltaTracker,
     ServingError,
+    choose_output_kind,
     collect_finals,
     error_event,
     event_stream,
@@ -259,6 +260,7 @@ class OpenAIServingResponses:
         chat_req = chat_request(req, history)
         prep = await self.chat.prepare(chat_req, raw)
         response_id = _id("resp")
+        choose_output_kind(prep.params, bool(req.stream))
         (stream,) = await self.chat.add_requests(
             response_id, [(prep.prompt, prep.params)], chat_req.model
         )
@@ -368,12 +370,7 @@ class OpenAIServingResponses:
         incomplete = finish == "length"
         for event in writer.close(incomplete):
             yield event
-        last = tracker.last
-        usage = (
-            _usage(len(last.prompt_token_ids), len(last.outputs[0].token_ids))
-            if last
-            else _usage(0, 0)
-        )
+        usage = _usage(tracker.prompt_tokens, tracker.completion_tokens.get(0, 0))
         response = self._finish(base, writer.output, incomplete, usage)
         self._keep(req, response, conversation)
         kind = "response.incomplete" if incomplete else "response.completed"
