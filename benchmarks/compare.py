@@ -6,7 +6,8 @@
 2. Batch workloads (benchmarks/throughput.py: uniform, mixed, shared-prefix; token-id prompts,
    greedy, ignore_eos): pagedllm fp32, bf16 and int8, HF transformers fp32 (best static batch,
    warmed up) and, with ``--llama-server PATH --gguf F ...``, llama.cpp's server (one slot per
-   request, all requests sent at once) for every GGUF given.
+   request, all requests sent at once) for every GGUF given. With ``--workload-rounds N`` the
+   engines take turns N times and each keeps its fastest run (HF: of all its batch sizes).
 3. One user: one request of 128 prompt + 128 output tokens, decode tok/s and time to first
    token, against ``llama-bench -p 128 -n 128`` (its tg128 and pp128) for every GGUF; the
    engines take turns for ``--batch1-rounds`` rounds and each keeps its best.
@@ -768,24 +769,38 @@ def main() -> None:
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "output_tokens": sum(r.output_len for r in reqs),
         }
-        for prec in args.precisions or list(PRECISIONS):
-            seconds, info = run_pagedllm(model, reqs, PRECISIONS[prec])
-            row[f"pagedllm {prec}"] = seconds
-            row[f"pagedllm {prec} prefix hits"] = info["prefix_hits"]
-            print(f"[{name}] pagedllm {prec}: {row['output_tokens'] / seconds:.1f} out tok/s")
-        for dtype in args.hf_dtypes:
-            hf = {bs: run_hf(model, reqs, bs, dtype, warmup=True) for bs in hf_sizes}
-            best, label = min(hf, key=hf.get), f"HF {HF_LABELS[dtype]}"
-            row[label], row[f"{label} best batch"] = hf[best], best
-            print(f"[{name}] {label} best (batch {best}): {row['output_tokens'] / hf[best]:.1f}")
-        for gguf in args.gguf:
-            slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)
-            key = f"llama.cpp {gguf_format(gguf)}"
-            engine = Engine("llama.cpp", gguf_format(gguf), gguf, {})
-            row[key], row[f"{key} command"] = serve_llama(
-                args.llama_server, engine, reqs, args.threads, slots=slots, ctx=1024,
-                client=_llama_all)  # fmt: skip
-            print(f"[{name}] {key}: {row['output_tokens'] / row[key]:.1f} out tok/s")
+        # The engines take turns for --workload-rounds rounds and each keeps its fastest run
+        # (HF: of every batch size and round), as the one-user rounds below do.
+        runs: dict[str, list[float]] = {}
+        hf: dict[str, dict[int, float]] = {}  # HF label -> batch size -> fastest run
+        for _ in range(args.workload_rounds):
+            for prec in args.precisions or list(PRECISIONS):
+                seconds, info = run_pagedllm(model, reqs, PRECISIONS[prec])
+                runs.setdefault(f"pagedllm {prec}", []).append(seconds)
+                row[f"pagedllm {prec} prefix hits"] = info["prefix_hits"]
+                print(f"[{name}] pagedllm {prec}: {row['output_tokens'] / seconds:.1f} out tok/s")
+            for dtype in args.hf_dtypes:
+                label = f"HF {HF_LABELS[dtype]}"
+                for bs in hf_sizes:
+                    seconds = run_hf(model, reqs, bs, dtype, warmup=True)
+                    runs.setdefault(label, []).append(seconds)
+                    sizes = hf.setdefault(label, {})
+                    sizes[bs] = min(seconds, sizes.get(bs, seconds))
+                    print(f"[{name}] {label} batch {bs}: {row['output_tokens'] / seconds:.1f}")
+            for gguf in args.gguf:
+                slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)
+                key = f"llama.cpp {gguf_format(gguf)}"
+                engine = Engine("llama.cpp", gguf_format(gguf), gguf, {})
+                seconds, row[f"{key} command"] = serve_llama(
+                    args.llama_server, engine, reqs, args.threads, slots=slots, ctx=1024,
+                    client=_llama_all)  # fmt: skip
+                runs.setdefault(key, []).append(seconds)
+                print(f"[{name}] {key}: {row['output_tokens'] / seconds:.1f} out tok/s")
+        for key, seconds in runs.items():
+            row[key] = min(seconds)
+            row[f"{key} rounds s"] = seconds
+        for label, sizes in hf.items():
+            row[f"{label} best batch"] = min(sizes, key=sizes.get)
     results["batch"] = batch
 
     # One user: the engines take turns, round after round, and each keeps its best round.
@@ -850,6 +865,13 @@ def parse_args() -> argparse.Namespace:
         help="--scale 0.25, HF batches 8 and 16 (--real-model: a quarter of the requests and "
         "output tokens, one batch-1 round)",
     )
+    ap.add_argument(
+        "--workload-rounds",
+        type=int,
+        default=1,
+        help="batch workloads: rounds, the engines taking turns; each keeps its fastest run "
+        "(HF: of every batch size and round)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--peak-seconds", type=float, default=0.2, help="per GEMM shape")
     ap.add_argument(
@@ -902,7 +924,10 @@ def report(results: dict, model: Path) -> None:
                    isinstance(row[k], float) and "prefix" not in k]  # fmt: skip
         print(f"\n[{name}] {row['requests']} requests, {out} output tokens")
         for k in engines:
-            print(f"  {k:22s} {out / row[k]:8.1f} out tok/s")
+            rounds = row.get(f"{k} rounds s", [])
+            runs = " / ".join(f"{x:.2f}" for x in rounds)
+            runs = f"  (runs: {runs} s)" if len(rounds) > 1 else ""
+            print(f"  {k:22s} {out / row[k]:8.1f} out tok/s{runs}")
         for prec in PRECISIONS:
             key = f"pagedllm {prec}"
             if key not in row:
