@@ -773,6 +773,7 @@ def main() -> None:
         # (HF: of every batch size and round), as the one-user rounds below do.
         runs: dict[str, list[float]] = {}
         hf: dict[str, dict[int, float]] = {}  # HF label -> batch size -> fastest run
+        slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)  # llama.cpp
         for _ in range(args.workload_rounds):
             for prec in args.precisions or list(PRECISIONS):
                 seconds, info = run_pagedllm(model, reqs, PRECISIONS[prec])
@@ -788,7 +789,6 @@ def main() -> None:
                     sizes[bs] = min(seconds, sizes.get(bs, seconds))
                     print(f"[{name}] {label} batch {bs}: {row['output_tokens'] / seconds:.1f}")
             for gguf in args.gguf:
-                slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)
                 key = f"llama.cpp {gguf_format(gguf)}"
                 engine = Engine("llama.cpp", gguf_format(gguf), gguf, {})
                 seconds, row[f"{key} command"] = serve_llama(

@@ -28,6 +28,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput) -> None:
+        """Append a later DELTA output of the same sample: its text, tokens and logprobs;
+        its running sums and finish replace this one's."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+
 
 @dataclass
 class RequestMetrics:
@@ -64,14 +75,8 @@ class RequestOutput:
             prev = mine.get(comp.index)
             if prev is None:
                 self.outputs.append(comp)
-                continue
-            prev.text += comp.text
-            prev.token_ids = prev.token_ids + comp.token_ids
-            if comp.logprobs is not None:
-                prev.logprobs = (prev.logprobs or []) + comp.logprobs
-            prev.cumulative_logprob = comp.cumulative_logprob
-            prev.finish_reason = comp.finish_reason
-            prev.stop_reason = comp.stop_reason
+            else:
+                prev.add(comp)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
         self.finished = later.finished

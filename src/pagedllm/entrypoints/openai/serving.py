@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from pagedllm.core.outputs import RequestOutput, TokenLogprobs
+from pagedllm.core.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -448,7 +448,7 @@ class DeltaTracker:
     """
 
     index_offset: int = 0
-    held: dict[int, ChoiceDelta] = field(default_factory=dict)  # tokens awaiting their text
+    held: dict[int, CompletionOutput] = field(default_factory=dict)  # tokens awaiting text
     done: set[int] = field(default_factory=set)
     prompt_tokens: int = 0
     completion_tokens: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
@@ -464,20 +464,18 @@ class DeltaTracker:
                 continue
             count = self.completion_tokens.get(comp.index, 0) + len(comp.token_ids)
             self.completion_tokens[comp.index] = count
-            delta = self.held.pop(comp.index, None)
-            if delta is None:
-                index = self.index_offset + comp.index
-                delta = ChoiceDelta(index, "", [], None, None)
-            delta.text += comp.text
-            delta.token_ids += comp.token_ids
-            if comp.logprobs is not None:
-                delta.logprobs = (delta.logprobs or []) + comp.logprobs
-            delta.finish_reason = comp.finish_reason
-            if not delta.text and delta.finish_reason is None:
-                self.held[comp.index] = delta
+            held = self.held.pop(comp.index, None)
+            if held is not None:
+                held.add(comp)
+                comp = held
+            if not comp.text and comp.finish_reason is None:
+                self.held[comp.index] = comp
                 continue
-            deltas.append(delta)
-            if delta.finish_reason is not None:
+            index = self.index_offset + comp.index
+            deltas.append(
+                ChoiceDelta(index, comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
+            )
+            if comp.finish_reason is not None:
                 self.done.add(comp.index)
         return deltas
 
