@@ -128,10 +128,26 @@ def gguf_config_dict(file: GGUFFile) -> dict[str, Any]:
     ):
         del raw["head_dim"]  # Qwen2's config.json has none: hidden_size / heads
     raw["tie_word_embeddings"] = "output.weight" not in file.tensor_names
+    raw["dtype"] = weights_dtype(file)
     _rope_scaling(file, raw)
     if file.arch == "gemma3":
         _gemma3_fields(file, raw)
     return {k: v for k, v in raw.items() if v is not None}
+
+
+# A file's float weight types, as the dtype a config.json would declare for them.
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def weights_dtype(file: GGUFFile) -> str | None:
+    """The dtype the file's matrices are stored in, where they are all one float type (a
+    converter's f32 / f16 / bf16 file: its config.json's torch_dtype); None for a quantized
+    file (its blocks hold no float dtype, and the engine's ``dtype="auto"`` then computes in
+    float32, as transformers loads it). Vectors (norms, biases) are F32 in every file."""
+    types = {t.tensor_type.name for t in file.reader.tensors if len(t.shape) > 1}
+    if len(types) != 1:
+        return None
+    return _FLOAT_TYPES.get(types.pop())
 
 
 def _rope_scaling(file: GGUFFile, raw: dict[str, Any]) -> None:

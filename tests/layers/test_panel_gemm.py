@@ -458,6 +458,37 @@ def test_int8_activation_products_match_their_reference(dtype, bits, n, k, group
 @pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI / VBMI on this CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits,n,k,group", QUANT_SHAPES)
+@pytest.mark.parametrize("rows", [5, 9, 48, 131])
+def test_a_decode_steps_rows_take_int8_activations_at_any_count(dtype, bits, n, k, group, rows):
+    """A decode step's rows ("avx512_vnni_all", the "int8_decode" form): every row rounded to
+    int8 as one row alone is, so each row's product has the bits of that row run by itself
+    (the rows prepared on both threads); "avx512_vnni" keeps rows past 4 float (a prompt's)."""
+    from pagedllm.layers import weight_only
+
+    torch.manual_seed(rows)
+    packed = weight_only.in_panels(weight_only.quantize(torch.randn(n, k), bits, group))
+    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = weight_only.panel_linear(x, packed, b, "avx512_vnni_all")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y, weight_only.linear(x, packed, b, "int8_decode"))
+    alone = torch.cat([weight_only.panel_linear(x[r : r + 1], packed, b, "avx512_vnni")
+                       for r in range(rows)])  # fmt: skip
+    assert torch.equal(y, alone)
+    want = int8_activation_reference(x, packed) + b.double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (y.double() - want).abs().max() <= tol * want.abs().max()
+    prompt_rows = weight_only.panel_linear(x, packed, b, "avx512_vnni")
+    assert torch.equal(prompt_rows, weight_only.panel_linear(x, packed, b, None))
+    assert not torch.equal(prompt_rows, y)
+
+
+@pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI / VBMI on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,n,k,group", QUANT_SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_residual_int8_activation_products_keep_fp32_accuracy(dtype, bits, n, k, group, rows):
     """One row as two int8 rows (rounded, then what the rounding left; LM heads ask for it):

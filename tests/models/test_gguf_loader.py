@@ -24,6 +24,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.gguf_metadata import open_gguf
 from pagedllm.hf_config import read_hf_config
+from pagedllm.layers import panel_gemm
 from pagedllm.layers.panel_gemm import unpack
 from pagedllm.models.gguf_loader import iterate_gguf_tensors
 from pagedllm.models.sources import GGUFSource, open_source
@@ -65,6 +66,7 @@ _CONFIG_FIELDS = (
     "eos_token_id",
     "pad_token_id",
 )
+VNNI = panel_gemm.available() and panel_gemm.int8_activations_available()
 
 
 def tiny_hf(
@@ -332,3 +334,47 @@ def test_gemma3_layer_pattern_stored_in_the_file_is_read(tmp_path):
     path = write_model_gguf(folder, tmp_path / "g.gguf", "gemma3")
     config = open_source(path).read_config()
     assert config.layer_types == read_hf_config(folder).layer_types == types
+
+
+@pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI / VBMI on this CPU: GGUF blocks by rows")
+@pytest.mark.parametrize("enforce_eager", [False, True])  # the fused decoder, the modules
+def test_a_decode_step_of_six_sequences_rounds_every_row_to_int8(tiny, enforce_eager):
+    """A GGUF file's layers round a decode step's x to int8 at any row count ("int8_decode",
+    llama.cpp's numerics for one decoding sequence), where past 4 rows x stayed float, and
+    keep a prompt's rows past 4 float: six sequences' 5 decode steps through 2 layers of 4
+    products are 6 x 5 x 8 int8 rows; their prompts (81 rows) add none, nor does the LM
+    head (x as two int8 parts at one row only)."""
+    _, gguf_path = tiny("llama", Q.Q4_1)
+    llm = LLM(model=str(gguf_path), dtype="float32", kv_cache_memory_bytes=1 << 20,
+              enforce_eager=enforce_eager)  # fmt: skip
+    layer = llm.llm_engine.executor.runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight_packed.dim() == 3  # the codes in panels
+    prompts = [{"prompt_token_ids": [(5 * i + 7 * j) % 300 + 3 for j in range(6 + 3 * i)]}
+               for i in range(6)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    start = panel_gemm.int8_rows()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 6
+    assert panel_gemm.int8_rows() - start == 6 * 5 * 2 * 4
+
+
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [(None, "float32"), (Q.F16, "float16"), (Q.BF16, "bfloat16"), (Q.Q8_0, None), (Q.Q4_1, None)],
+)
+def test_a_files_float_matrices_give_its_config_dtype_and_auto_follows_it(
+    tiny, monkeypatch, kind, dtype
+):
+    """A converter's f32 / f16 / bf16 file declares its matrices' dtype, as config.json's
+    torch_dtype does; a quantized one none. dtype="auto" then runs a bf16 file in bfloat16
+    where the CPU multiplies it natively (float32 elsewhere), a quantized one in float32."""
+    from pagedllm import config as config_module
+
+    _, gguf_path = tiny("llama", kind)
+    assert open_source(gguf_path).read_config().torch_dtype == dtype
+    for native in (True, False):
+        monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda native=native: native)
+        resolved = EngineArgs(model=str(gguf_path), device="cpu").create_engine_config().model
+        half = dtype in ("float16", "bfloat16")  # on the CPU: bfloat16 where native
+        want = ("bfloat16" if native else "float32") if half else "float32"
+        assert resolved.dtype == want, (native, dtype)

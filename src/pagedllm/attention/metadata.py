@@ -125,6 +125,12 @@ class AttentionMetadata:
 _CURRENT: ContextVar[AttentionMetadata | None] = ContextVar("attention_metadata", default=None)
 
 
+def decoding_step() -> bool:
+    """Whether the forward in flight runs one token of each sequence (False outside one)."""
+    metadata = _CURRENT.get()
+    return metadata is not None and metadata.is_decode_only
+
+
 class ForwardContext:
     """``with ForwardContext(metadata):`` makes metadata the current forward's; never nested."""
 

@@ -77,6 +77,13 @@ def ahead_lines() -> int:
     return torch.ops.pagedllm_panel.ahead_lines() if load() else 0
 
 
+def int8_rows() -> int:
+    """Rows of x that quantized panel products have run on int8 activations in this process
+    (a row taken as two int8 parts counts once): up to 4 a product, or a decode step's rows
+    at any count (weight_only.linear's "int8_decode")."""
+    return torch.ops.pagedllm_panel.int8_rows() if load() else 0
+
+
 def packable(weight: torch.Tensor) -> bool:
     """A CPU float32 / bfloat16 [N, K] weight with N a multiple of 16 (and K even in bf16)."""
     if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:

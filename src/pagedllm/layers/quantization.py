@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.metadata import decoding_step
 from pagedllm.config import QuantConfig
 from pagedllm.layers import cpu_int8, panel_gemm, weight_only
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -306,7 +307,10 @@ class GroupKernel(Int8Kernel):
         self.x_form = x_form(module, packed, int8_x)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only.linear(x, self.packed, None, self.x_form)
+        form = self.x_form
+        if form == "int8" and decoding_step():  # a decode step's rows: int8 at any count
+            form = "int8_decode"
+        return weight_only.linear(x, self.packed, None, form)
 
     def weight_int8(self) -> torch.Tensor:
         raise TypeError("a group-quantized weight has no per-row int8 form")
@@ -320,15 +324,15 @@ class GroupKernel(Int8Kernel):
 def x_form(module: nn.Module, packed: weight_only.PackedWeight, int8_x: bool = False) -> str:
     """How a weight-only layer's x meets its codes (weight_only.linear), where the CPU runs
     int8 activations: a layer asking for int8_x (GGUF blocks, llama.cpp's numerics, never an
-    LM head) "int8"; every other layer "int8_residual", x as two int8 parts (x rounded per
-    block of 32, then what the rounding left), off by at most 1.6e-5 times the block's largest
-    |x| where an int8 weight's own rounding is 3.9e-3 times its row's largest: the accuracy of
-    fp32 x at the cost of int8 products (one int8 part turned SmolLM2 Q4_1's "Paris" into
-    French babble as its LM head, tests/models/test_real_model_gguf.py); by rows, int8 codes
-    take x on int16 per block instead (off by at most 1.5e-5 times the block's largest |x|,
-    half the multiplies). Where the CPU runs
-    neither (weight_only.int8_activations_run: panels on AVX512-VNNI, codes by rows on
-    AVX2), "float"."""
+    LM head) "int8" (in a decode step "int8_decode", GroupKernel.mm); every other layer
+    "int8_residual", x as two int8 parts (x rounded per block of 32, then what the rounding
+    left), off by at most 1.6e-5 times the block's largest |x| where an int8 weight's own
+    rounding is 3.9e-3 times its row's largest: the accuracy of fp32 x at the cost of int8
+    products (one int8 part turned SmolLM2 Q4_1's "Paris" into French babble as its LM head,
+    tests/models/test_real_model_gguf.py); by rows, int8 codes take x on int16 per block
+    instead (off by at most 1.5e-5 times the block's largest |x|, half the multiplies). Where
+    the CPU runs neither (weight_only.int8_activations_run: panels on AVX512-VNNI, codes by
+    rows on AVX2), "float"."""
     if not weight_only.int8_activations_run(packed):
         return "float"
     if int8_x and not isinstance(module, ParallelLMHead):

@@ -326,8 +326,18 @@ def int8_activations_run(weight: PackedWeight) -> bool:
 
 
 # the isa argument of each x form: for codes in panels, for codes by rows
-X_FORMS = {"float": None, "int8": "avx512_vnni", "int8_residual": "avx512_vnni_residual"}
-ROW_X_FORMS = {"float": None, "int8": "int8", "int8_residual": "int8_residual"}
+X_FORMS = {
+    "float": None,
+    "int8": "avx512_vnni",
+    "int8_decode": "avx512_vnni_all",
+    "int8_residual": "avx512_vnni_residual",
+}
+ROW_X_FORMS = {
+    "float": None,
+    "int8": "int8",
+    "int8_decode": "int8",
+    "int8_residual": "int8_residual",
+}
 
 
 def linear(
@@ -336,10 +346,12 @@ def linear(
     """x [M, K] W^T + bias with the quantized weight: the C++ op on a CPU (kernel_linear or,
     for a weight in panels, panel_linear). x_form (other than "float" only where
     int8_activations_run): "int8", up to 4 rows of x rounded to int8 per block of 32 (GGUF
-    blocks, llama.cpp's numerics); "int8_residual", each row as two int8 rows, x rounded and
-    what the rounding left (fp32 x's accuracy at int8's cost: every other layer, an LM head
-    too; in panels at one decoding sequence, by rows up to 2, where int8 codes take x on
-    int16 instead: the same accuracy at half the multiplies); more rows as "float"."""
+    blocks, llama.cpp's numerics); "int8_decode", the rows of a decode step (one token of
+    each sequence) so at any count in panels (csrc/panel_gemm.cpp's kVnniRows), as "int8" by
+    rows; "int8_residual", each row as two int8 rows, x rounded and what the rounding left
+    (fp32 x's accuracy at int8's cost: every other layer, an LM head too; in panels at one
+    decoding sequence, by rows up to 2, where int8 codes take x on int16 instead: the same
+    accuracy at half the multiplies); more rows as "float"."""
     if weight.panels:
         return panel_linear(x, weight, bias, X_FORMS[x_form])
     if x.device.type == "cpu" and load():

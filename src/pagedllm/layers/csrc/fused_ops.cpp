@@ -874,7 +874,9 @@ struct DecoderPlan : torch::CustomClassHolder {
 
 // x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 or
 // weight-only one the kernel, cast back to x's dtype, then the bias (Int8Kernel.__call__).
-at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, int64_t levels) {
+// decode: every row of x is a sequence's next token (weight_only.linear's decode).
+at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, int64_t levels,
+                  bool decode) {
   const at::Tensor& w = plan.operand(first);
   const at::Tensor& rowsum = plan.operand(first + 1);
   const at::Tensor& scale = plan.operand(first + 2);
@@ -886,7 +888,7 @@ at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, i
     at::Tensor y;
     if (w.dim() == 3) {  // codes in panels
       const c10::optional<std::string> isa =
-          form == 1   ? c10::optional<std::string>("avx512_vnni")
+          form == 1   ? c10::optional<std::string>(decode ? "avx512_vnni_all" : "avx512_vnni")
           : form == 2 ? c10::optional<std::string>("avx512_vnni_residual")
                       : c10::nullopt;
       y = quant_panel_linear_op().call(x, w, scale, offset, bits, c10::nullopt, isa);
@@ -1053,6 +1055,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
               "decoder_layers: float32 or bfloat16");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
   const int64_t tokens = hidden_in.size(0);
+  const bool decode = tokens == cu_seqlens_q.size(0) - 1;  // one token a sequence
   at::Tensor hidden = hidden_in, residual;
   if (residual_in.has_value()) {
     residual = *residual_in;
@@ -1081,7 +1084,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& value_cache = plan->operand(t0 + 9);
     // attention stage: norm, qkv, q/k norms, rotary, cache write, paged attention, o, norm
     add_rms_norm(hidden, residual, in_w, eps, offset);
-    const at::Tensor qkv = linear(hidden, *plan, t0 + 10, in[6]);
+    const at::Tensor qkv = linear(hidden, *plan, t0 + 10, in[6], decode);
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     at::Tensor q = heads_of(qkv, 0, heads, dim), k = heads_of(qkv, q_size, kv_heads, dim);
     const at::Tensor v = heads_of(qkv, q_size + kv_size, kv_heads, dim);
@@ -1108,14 +1111,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor attn_out = attn;
     if (convert)
       convert_rows(attn, attn_out = reuse(attn_out_buf, {tokens, heads, dim}, qkv.options()));
-    hidden = linear(attn_out.view({tokens, q_size}), *plan, t0 + 14, in[7]);
+    hidden = linear(attn_out.view({tokens, q_size}), *plan, t0 + 14, in[7], decode);
     if (post_attn_w.defined()) hidden = rms_norm(hidden, post_attn_w, eps, offset);
     // MLP stage: norm, gate_up, activation * up, down, norm
     add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
-    const at::Tensor gate_up = linear(hidden, *plan, t0 + 18, in[8]);
+    const at::Tensor gate_up = linear(hidden, *plan, t0 + 18, in[8], decode);
     at::Tensor& act = reuse(act_buf, {tokens, gate_up.size(1) / 2}, gate_up.options());
     gated_into(gate_up, gelu, act, "decoder_layers");
-    hidden = linear(act, *plan, t0 + 22, in[9]);
+    hidden = linear(act, *plan, t0 + 22, in[9], decode);
     if (post_mlp_w.defined()) hidden = rms_norm(hidden, post_mlp_w, eps, offset);
   }
   return {hidden, residual};
