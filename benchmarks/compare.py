@@ -610,7 +610,7 @@ def real_model_main(args: argparse.Namespace) -> None:
     for row in rows.values():
         best = max(range(len(row["batch1_rounds"])), key=row["batch1_rounds"].__getitem__)
         row["batch1_tok_s"] = row["batch1_rounds"][best]
-        row["serving_out_tok_s"] = max(row["serving_rounds"])
+        row["serving_out_tok_s"] = max(row.get("serving_rounds") or [0.0]) or None  # 0 rounds
         row["bound_tok_s"] = read / row["weight_bytes"]
         row["of_bound"] = row["batch1_tok_s"] / row["bound_tok_s"]
         row["read_beside_gb_s"] = row["batch1_read_gb_s"][best]
@@ -670,7 +670,9 @@ def real_model_markdown(results: dict) -> str:
         f"- batch 1: {results['workload']['batch1']}",
         f"- serving: {results['workload']['serving']}, through each engine's HTTP server "
         f"(/v1/completions), best of {results['workload']['serve_rounds']} (the engines "
-        "taking turns)",
+        "taking turns)"
+        if results["workload"]["serve_rounds"]
+        else "- serving: not run (--serve-rounds 0)",
         f"- command: `{results['command']}`",
         "",
         "| engine | format | weights MB / token | batch-1 tok/s | bound tok/s | of bound "
@@ -678,11 +680,12 @@ def real_model_markdown(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows.values(), key=_row_order):
+        serving = "-" if row["serving_out_tok_s"] is None else f"{row['serving_out_tok_s']:.1f}"
         lines.append(
             f"| {row['engine']} | {row['format']} | {row['weight_bytes'] / 1e6:.1f} "
             f"| {row['batch1_tok_s']:.1f} | {row['bound_tok_s']:.1f} "
             f"| {100 * row['of_bound']:.0f}% | {row['read_beside_gb_s']:.1f} "
-            f"| {100 * row['of_bound_beside']:.0f}% | {row['serving_out_tok_s']:.1f} |"
+            f"| {100 * row['of_bound_beside']:.0f}% | {serving} |"
         )
     bound = (
         "Bound: the fastest read bandwidth reading of the run's start and end / weight bytes "
@@ -693,6 +696,8 @@ def real_model_markdown(results: dict) -> str:
     lines += ["", bound]
     if any(r["engine"] == "llama.cpp" for r in rows.values()):
         for key, what in (("batch1_tok_s", "batch 1"), ("serving_out_tok_s", "serving")):
+            if any(r[key] is None for r in rows.values()):
+                continue
             ours, theirs = _best(rows, "pagedllm", key), _best(rows, "llama.cpp", key)
             lines.append(f"- {what}: best pagedllm ({ours[0]}) {ours[1]:.1f} / best llama.cpp "
                          f"({theirs[0]}) {theirs[1]:.1f} = {ours[1] / theirs[1]:.2f}x")  # fmt: skip
@@ -712,10 +717,11 @@ def plot_real_model(results: dict, path: Path) -> None:
     series = [s for s in SERIES if any(r["series"] == s for r in rows)]
     colors = dict(zip(SERIES, ("tab:blue", "tab:cyan", "tab:orange")))
     width = 0.8 / len(series)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
-    panels = (("batch1_tok_s", "one user: decode tok/s"),
+    panels = [("batch1_tok_s", "one user: decode tok/s"),
               ("serving_out_tok_s", f"serving: {results['workload']['serving'].split(',')[0]}, "
-               "out tok/s"))  # fmt: skip
+               "out tok/s")][: 2 if results["workload"]["serve_rounds"] else 1]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
+    axes = axes[0]
     for ax, (key, title) in zip(axes, panels):
         for i, name in enumerate(series):
             offset = (i - (len(series) - 1) / 2) * width
