@@ -874,7 +874,7 @@ struct DecoderPlan : torch::CustomClassHolder {
 
 // x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 or
 // weight-only one the kernel, cast back to x's dtype, then the bias (Int8Kernel.__call__).
-// decode: every row of x is a sequence's next token (weight_only.linear's decode).
+// decode: every row of x is a sequence's next token (weight_only.linear's "int8_decode").
 at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, int64_t levels,
                   bool decode) {
   const at::Tensor& w = plan.operand(first);
