@@ -302,7 +302,12 @@ class EngineArgs:
         None, "tokenizer folder, GGUF file or hub id (default: the model's)"
     )
     revision: str | None = _arg(None, "hub ids: the branch, tag or commit to load")
-    dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16")
+    dtype: str = _arg(
+        "auto",
+        "auto | float32 | bfloat16 | float16; auto: the model's (config.json's torch_dtype, a "
+        "GGUF file's float matrices, float32 for a quantized GGUF), half precision on a CPU "
+        "as bfloat16 where it multiplies bf16 natively, else float32",
+    )
     seed: int = _arg(0, "random seed")
     max_model_len: int | None = _arg(
         None, "longest prompt + output, in tokens (default: the model's)"
