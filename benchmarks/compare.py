@@ -610,7 +610,8 @@ def real_model_main(args: argparse.Namespace) -> None:
     for row in rows.values():
         best = max(range(len(row["batch1_rounds"])), key=row["batch1_rounds"].__getitem__)
         row["batch1_tok_s"] = row["batch1_rounds"][best]
-        row["serving_out_tok_s"] = max(row.get("serving_rounds") or [0.0]) or None  # 0 rounds
+        served = row.get("serving_rounds")  # none with --serve-rounds 0
+        row["serving_out_tok_s"] = max(served) if served else None
         row["bound_tok_s"] = read / row["weight_bytes"]
         row["of_bound"] = row["batch1_tok_s"] / row["bound_tok_s"]
         row["read_beside_gb_s"] = row["batch1_read_gb_s"][best]

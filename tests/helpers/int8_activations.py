@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers import weight_only
+from pagedllm.layers import panel_gemm, weight_only
+
+
+def panels_on_vnni() -> bool:
+    """Whether weight-only panels run here and multiply x on int8 (AVX512-VNNI and VBMI)."""
+    return panel_gemm.available() and panel_gemm.int8_activations_available()
 
 
 def int8_activations_on() -> bool:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers.int8_activations import int8_activation_reference
+from helpers.int8_activations import int8_activation_reference, panels_on_vnni
 
 from pagedllm.layers import panel_gemm
 
@@ -409,7 +409,7 @@ QUANT_SHAPES = [
     (8, 32, 320, 32),
     (4, 32, 2112, 32),
 ]
-VNNI = panel_gemm.available() and panel_gemm.int8_activations_available()
+VNNI = panels_on_vnni()
 
 
 @pytest.mark.parametrize("dtype,isa,tol", [(torch.float32, "avx512", 1e-5)] + CASES[1:])

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from helpers.gguf_files import write_model_gguf, write_raw_tensor_gguf
+from helpers.int8_activations import panels_on_vnni
 from helpers.models import build_tokenizer
 from safetensors.torch import load_file
 
@@ -66,7 +67,7 @@ _CONFIG_FIELDS = (
     "eos_token_id",
     "pad_token_id",
 )
-VNNI = panel_gemm.available() and panel_gemm.int8_activations_available()
+VNNI = panels_on_vnni()
 
 
 def tiny_hf(
