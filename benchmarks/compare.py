@@ -25,7 +25,9 @@ batch 1, weight bytes/s as a share of the read bandwidth; writes JSON and the RE
    q8_0 and the Q4_1 file users download). Batch 1 (pagedllm: a 128-token prompt, 128 output
    tokens; llama.cpp: ``llama-bench -p 0 -n 128 -d 128``) against the bound of read bandwidth
    / weight bytes per token (read at the run's start and end, and just before and after every
-   one-user run), and 48 requests of real text at once through both HTTP servers
+   one-user run); one user's 512-token prompt from an empty cache (pagedllm: its length / its
+   time to the first token; llama.cpp: ``llama-bench -p 512 -n 0``, its pp512); and 48
+   requests of real text at once through both HTTP servers
    (the same client); both taking turns for ``--batch1-rounds`` / ``--serve-rounds`` rounds,
    each engine keeping its best. Writes a markdown table, JSON and the README chart:
 
@@ -210,23 +212,34 @@ def fastest_read(src: torch.Tensor, calls: int) -> float:
 
 
 # ---- pagedllm, one user ----------------------------------------------------------------------
-def pagedllm_batch1(model: Path, engine_kwargs: dict, prompt: list[int], out_len: int) -> dict:
-    """TTFT of the prompt and decode tok/s over out_len tokens (one request)."""
+def pagedllm_batch1(
+    model: Path,
+    engine_kwargs: dict,
+    prompt: list[int],
+    out_len: int,
+    long_prompt: list[int] | None = None,
+) -> dict:
+    """TTFT of the prompt and decode tok/s over out_len tokens (one request); with
+    long_prompt, also the rate its prompt is processed at (tok/s: its length / its TTFT, best
+    of 3, from an empty cache: llama-bench's pp<n>)."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(str(model), skip_tokenizer_init=True, max_num_seqs=1, **engine_kwargs)
 
-    def run(n: int) -> float:
+    def run(n: int, tokens: list[int] = prompt) -> float:
         llm.llm_engine.block_manager.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate([tokens], params, use_tqdm=False)
         return time.perf_counter() - start
 
     run(8)  # warm-up
     ttft = min(run(1) for _ in range(3))
     total = min(run(out_len) for _ in range(2))
-    return {"ttft_s": ttft, "decode_tok_s": (out_len - 1) / (total - ttft)}
+    result = {"ttft_s": ttft, "decode_tok_s": (out_len - 1) / (total - ttft)}
+    if long_prompt is not None:
+        result["prompt_tok_s"] = len(long_prompt) / min(run(1, long_prompt) for _ in range(3))
+    return result
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
@@ -279,6 +292,19 @@ def llama_bench(
         return {"ttft_s": None, "decode_tok_s": tg, "command": " ".join(cmd)}
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     return {"ttft_s": prompt_len / pp, "decode_tok_s": tg, "command": " ".join(cmd)}
+
+
+def llama_prompt_rate(binary: Path, gguf: Path, threads: int, prompt_len: int) -> dict:
+    """llama-bench's pp<prompt_len> (tok/s, the mean of its repetitions; from an empty
+    context), or None where a prompt crashes it (llama_bench's AMX case)."""
+    cmd = llama_bench_command(binary, gguf, threads, prompt_len, 0)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    except subprocess.CalledProcessError as e:
+        print(f"llama-bench failed ({e.returncode}) on {gguf.name} with a prompt", flush=True)
+        return {"prompt_tok_s": None, "command": " ".join(cmd)}
+    pp = next(r["avg_ts"] for r in json.loads(out) if r["n_prompt"] > 0)
+    return {"prompt_tok_s": pp, "command": " ".join(cmd)}
 
 
 @dataclass
@@ -344,6 +370,7 @@ SERVE_REQUESTS = 48
 SERVE_PROMPT_TOKENS = (96, 480)
 SERVE_OUTPUT_TOKENS = (32, 192)
 BATCH1_PROMPT, BATCH1_OUTPUT = 128, 128
+PROMPT_RATE_TOKENS = 512  # one user's prompt processing (llama-bench's pp512)
 # GGUF formats whose weights pagedllm runs in a float dtype: the file's own, so that both
 # engines stream the same bytes; the block formats (q8_0, q4_1 ...) run at the default dtype.
 GGUF_FLOAT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
@@ -548,9 +575,13 @@ def real_model_main(args: argparse.Namespace) -> None:
           f"{results['bandwidth_start']['read_gb_s']:.1f} GB/s")  # fmt: skip
     tokens = real_text_tokens(folder / "tokenizer.json")
     batch1_prompt = real_text_workload(tokens, 1, (BATCH1_PROMPT,) * 2, (out_len,) * 2, 1)[0]
+    long_prompt = real_text_workload(tokens, 1, (PROMPT_RATE_TOKENS,) * 2, (1, 1), 2)[0].prompt
     reqs = real_text_workload(tokens, n_requests, SERVE_PROMPT_TOKENS, output_range)
     results["workload"] = {
         "batch1": f"{BATCH1_PROMPT}-token prompt, {out_len} output tokens, best of {rounds}",
+        "prompt": f"one {PROMPT_RATE_TOKENS}-token prompt from an empty cache, tok/s (its "
+        f"length / its time to the first token; llama.cpp: llama-bench's pp"
+        f"{PROMPT_RATE_TOKENS}), best of {rounds}",
         "serving": f"{len(reqs)} requests at once, prompts {SERVE_PROMPT_TOKENS[0]}-"
         f"{SERVE_PROMPT_TOKENS[1]} tokens ({sum(len(r.prompt) for r in reqs)} in all), outputs "
         f"{output_range[0]}-{output_range[1]} ({sum(r.output_len for r in reqs)} in all), "
@@ -572,20 +603,24 @@ def real_model_main(args: argparse.Namespace) -> None:
             row = rows[e.label]
             before = fastest_read(beside, 10)
             if e.name == "pagedllm":
-                run = pagedllm_batch1(e.model, e.kwargs, batch1_prompt.prompt, out_len)
-                command = f"LLM({e.model}, {e.kwargs}), {BATCH1_PROMPT}-token prompt"
+                run = pagedllm_batch1(e.model, e.kwargs, batch1_prompt.prompt, out_len, long_prompt)
+                commands = [f"LLM({e.model}, {e.kwargs}), {BATCH1_PROMPT}-token prompt"]
                 gc.collect()  # the engine's weights go before the next engine loads its own
             else:
                 # Decode after a prompt of the same length as pagedllm's (-d, untimed).
                 bench = (args.llama_bench, e.model, args.threads, 0, out_len, BATCH1_PROMPT)
                 run = llama_bench(*bench)
-                command = run["command"]
+                rate = (args.llama_bench, e.model, args.threads, PROMPT_RATE_TOKENS)
+                run["prompt_tok_s"], command = llama_prompt_rate(*rate).values()
+                commands = [run["command"], command]
             read = max(before, fastest_read(beside, 10))
             row["batch1_rounds"].append(run["decode_tok_s"])
+            row.setdefault("prompt_rounds", []).append(run["prompt_tok_s"])
             row.setdefault("batch1_read_gb_s", []).append(read)
-            row["commands"] = sorted({*row["commands"], command})
+            row["commands"] = sorted({*row["commands"], *commands})
+            prompt_rate = "-" if run["prompt_tok_s"] is None else f"{run['prompt_tok_s']:.1f}"
             print(f"[batch 1] {e.label}: {run['decode_tok_s']:.1f} tok/s (read beside it "
-                  f"{read:.1f} GB/s)", flush=True)  # fmt: skip
+                  f"{read:.1f} GB/s); prompt {prompt_rate} tok/s", flush=True)  # fmt: skip
 
     del beside  # 256 MB
 
@@ -610,6 +645,8 @@ def real_model_main(args: argparse.Namespace) -> None:
     for row in rows.values():
         best = max(range(len(row["batch1_rounds"])), key=row["batch1_rounds"].__getitem__)
         row["batch1_tok_s"] = row["batch1_rounds"][best]
+        rates = [r for r in row["prompt_rounds"] if r is not None]
+        row["prompt_tok_s"] = max(rates) if rates else None
         served = row.get("serving_rounds")  # none with --serve-rounds 0
         row["serving_out_tok_s"] = max(served) if served else None
         row["bound_tok_s"] = read / row["weight_bytes"]
@@ -640,10 +677,12 @@ def default_smollm2_folder() -> Path:
     return folder
 
 
-def _best(rows: dict, engine: str, key: str) -> tuple[str, float]:
-    """(format, value) of the engine's best row by key."""
-    mine = {r["format"]: r[key] for r in rows.values() if r["engine"] == engine}
-    fmt = max(mine, key=mine.get)
+def _best(rows: dict, engine: str, key: str) -> tuple[str, float] | None:
+    """(format, value) of the engine's best row by key; None where no row has the figure."""
+    mine = {r["format"]: r[key] for r in rows.values() if r["engine"] == engine and r.get(key)}
+    if not mine:
+        return None
+    fmt = max(mine, key=mine.__getitem__)
     return fmt, mine[fmt]
 
 
@@ -669,6 +708,7 @@ def real_model_markdown(results: dict) -> str:
         f"{bw[0]['read_gb_s']:.1f} / {bw[0]['read_best_gb_s']:.1f} at the start, "
         f"{bw[1]['read_gb_s']:.1f} / {bw[1]['read_best_gb_s']:.1f} at the end",
         f"- batch 1: {results['workload']['batch1']}",
+        f"- prompt: {results['workload']['prompt']}",
         f"- serving: {results['workload']['serving']}, through each engine's HTTP server "
         f"(/v1/completions), best of {results['workload']['serve_rounds']} (the engines "
         "taking turns)"
@@ -677,16 +717,18 @@ def real_model_markdown(results: dict) -> str:
         f"- command: `{results['command']}`",
         "",
         "| engine | format | weights MB / token | batch-1 tok/s | bound tok/s | of bound "
-        "| read beside it, GB/s | of its bound | serving out tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| read beside it, GB/s | of its bound | prompt {PROMPT_RATE_TOKENS} tok/s "
+        "| serving out tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    figure = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731
     for row in sorted(rows.values(), key=_row_order):
-        serving = "-" if row["serving_out_tok_s"] is None else f"{row['serving_out_tok_s']:.1f}"
         lines.append(
             f"| {row['engine']} | {row['format']} | {row['weight_bytes'] / 1e6:.1f} "
             f"| {row['batch1_tok_s']:.1f} | {row['bound_tok_s']:.1f} "
             f"| {100 * row['of_bound']:.0f}% | {row['read_beside_gb_s']:.1f} "
-            f"| {100 * row['of_bound_beside']:.0f}% | {serving} |"
+            f"| {100 * row['of_bound_beside']:.0f}% | {figure(row.get('prompt_tok_s'))} "
+            f"| {figure(row['serving_out_tok_s'])} |"
         )
     bound = (
         "Bound: the fastest read bandwidth reading of the run's start and end / weight bytes "
@@ -696,10 +738,14 @@ def real_model_markdown(results: dict) -> str:
     )
     lines += ["", bound]
     if any(r["engine"] == "llama.cpp" for r in rows.values()):
-        for key, what in (("batch1_tok_s", "batch 1"), ("serving_out_tok_s", "serving")):
-            if any(r[key] is None for r in rows.values()):
-                continue
+        for key, what in (
+            ("batch1_tok_s", "batch 1"),
+            ("prompt_tok_s", f"prompt {PROMPT_RATE_TOKENS}"),
+            ("serving_out_tok_s", "serving"),
+        ):
             ours, theirs = _best(rows, "pagedllm", key), _best(rows, "llama.cpp", key)
+            if ours is None or theirs is None:
+                continue
             lines.append(f"- {what}: best pagedllm ({ours[0]}) {ours[1]:.1f} / best llama.cpp "
                          f"({theirs[0]}) {theirs[1]:.1f} = {ours[1] / theirs[1]:.2f}x")  # fmt: skip
     lines += ["", "Commands:", ""]
@@ -719,17 +765,21 @@ def plot_real_model(results: dict, path: Path) -> None:
     colors = dict(zip(SERIES, ("tab:blue", "tab:cyan", "tab:orange")))
     width = 0.8 / len(series)
     panels = [("batch1_tok_s", "one user: decode tok/s"),
+              ("prompt_tok_s", f"one user: a {PROMPT_RATE_TOKENS}-token prompt, tok/s"),
               ("serving_out_tok_s", f"serving: {results['workload']['serving'].split(',')[0]}, "
-               "out tok/s")][: 2 if results["workload"]["serve_rounds"] else 1]  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
+               "out tok/s")]  # fmt: skip
+    panels = [p for p in panels if any(r.get(p[0]) for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.8), squeeze=False)
     axes = axes[0]
     for ax, (key, title) in zip(axes, panels):
         for i, name in enumerate(series):
             offset = (i - (len(series) - 1) / 2) * width
             best: dict[str, float] = {}  # the faster of two settings of one format (int8)
             for r in rows:
-                if r["series"] == name:
+                if r["series"] == name and r.get(key):
                     best[r["family"]] = max(best.get(r["family"], 0.0), r[key])
+            if not best:
+                continue
             xs, ys = zip(*[(families.index(f) + offset, v) for f, v in best.items()])
             bars = ax.bar(xs, ys, width=width, label=name, color=colors[name])
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
