@@ -610,9 +610,11 @@ def real_model_main(args: argparse.Namespace) -> None:
                 # Decode after a prompt of the same length as pagedllm's (-d, untimed).
                 bench = (args.llama_bench, e.model, args.threads, 0, out_len, BATCH1_PROMPT)
                 run = llama_bench(*bench)
-                rate = (args.llama_bench, e.model, args.threads, PROMPT_RATE_TOKENS)
-                run["prompt_tok_s"], command = llama_prompt_rate(*rate).values()
-                commands = [run["command"], command]
+                rate = llama_prompt_rate(
+                    args.llama_bench, e.model, args.threads, PROMPT_RATE_TOKENS
+                )
+                run["prompt_tok_s"] = rate["prompt_tok_s"]
+                commands = [run["command"], rate["command"]]
             read = max(before, fastest_read(beside, 10))
             row["batch1_rounds"].append(run["decode_tok_s"])
             row.setdefault("prompt_rounds", []).append(run["prompt_tok_s"])
