@@ -6,16 +6,9 @@ import os
 import subprocess
 import sys
 
+from helpers.process import run_cli
+
 from pagedllm import LLM, SamplingParams
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_generate_prints_the_greedy_completion(model_factory):

@@ -103,3 +103,15 @@ def stop_cleanly(proc: subprocess.Popen, output: Output) -> None:
     rest = output.rest()
     assert proc.returncode == 0, rest
     assert "Traceback" not in rest, rest
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`pagedllm ARGS...` in a child Python (this interpreter), its output captured as text."""
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

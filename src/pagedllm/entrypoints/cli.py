@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "split-worker": ("pagedllm.entrypoints.partition_cli", "run the cloud tier of a plan"),
     "quantize": ("pagedllm.entrypoints.quantize_cli", "write an int8 copy of a model folder"),
     "quantize-eval": ("pagedllm.entrypoints.quantize_cli", "compare int8 with full precision"),
+    "bench": ("pagedllm.entrypoints.bench_cli", "measure latency or throughput offline"),
 }
 
 
@@ -83,7 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 
 # Without --model these run SmolLM2-135M-Instruct (fetched on first use); the other tools
 # and the Python API keep the bundled demo model as their default.
-FIRST_RUN_COMMANDS = ("generate", "chat", "serve")
+FIRST_RUN_COMMANDS = ("generate", "chat", "serve", "bench")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

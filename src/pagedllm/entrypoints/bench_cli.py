@@ -1,0 +1,201 @@
+"""``pagedllm bench latency`` and ``pagedllm bench throughput``: vLLM's offline benchmarks.
+
+latency: one batch of ``--batch-size`` prompts of ``--input-len`` tokens, each generating
+``--output-len`` tokens, run ``--num-iters`` times after ``--num-iters-warmup``; prints the
+batch's mean latency and its percentiles (``vllm bench latency``).
+
+throughput: ``--num-prompts`` such requests given at once; prints requests/s, total tokens/s
+and output tokens/s (``vllm bench throughput`` on its random dataset).
+
+Prompts are random token ids of the model's vocabulary, as vLLM's, and decoding is greedy past
+EOS, so every run computes the same number of tokens. The prefix cache is emptied before each
+timed run: no run reuses the KV of another. ``--output-json`` writes the figures, the flags and
+the engine's counters (prefix-cache hits, preemptions) of the timed runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """count prompts of length token ids drawn from [0, vocab_size)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """The pct-th percentile, linear between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * pct / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class Runner:
+    """An engine and the requests of a benchmark, run from an empty prefix cache each time."""
+
+    def __init__(self, ns: argparse.Namespace, count: int) -> None:
+        from pagedllm.entrypoints.cli import engine_args_from
+        from pagedllm.entrypoints.llm import LLM
+        from pagedllm.sampling_params import SamplingParams
+
+        for name in ("input_len", "output_len", "n", "batch_size", "num_iters", "num_prompts"):
+            if getattr(ns, name, 1) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if getattr(ns, "num_iters_warmup", 0) < 0:
+            raise ValueError("--num-iters-warmup must be at least 0")
+        self.llm = LLM.from_engine_args(engine_args_from(ns))
+        engine = self.llm.llm_engine
+        vocab = engine.config.model.hf_config.vocab_size
+        self.prompts = random_prompts(vocab, count, ns.input_len, ns.seed)
+        self.params = SamplingParams(
+            n=ns.n, temperature=0.0, max_tokens=ns.output_len, ignore_eos=True, detokenize=False
+        )
+        self.prefix_hits = 0
+        self.preemptions = 0
+
+    def run(self) -> tuple[float, int]:
+        """Seconds for the requests, and the output tokens they produced."""
+        engine = self.llm.llm_engine
+        engine.block_manager.reset_prefix_cache()
+        hits, preemptions = engine.block_manager.prefix_cache_hits, engine.scheduler.num_preemptions
+        start = time.perf_counter()
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        self.prefix_hits += engine.block_manager.prefix_cache_hits - hits
+        self.preemptions += engine.scheduler.num_preemptions - preemptions
+        return seconds, sum(len(c.token_ids) for out in outputs for c in out.outputs)
+
+
+def _write_json(path: str | None, ns: argparse.Namespace, result: dict[str, Any]) -> None:
+    if not path:
+        return
+    flags = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list))}
+    Path(path).write_text(json.dumps({**result, "args": flags}, indent=2) + "\n")
+    print(f"figures written to {path}")
+
+
+def _progress(text: str) -> None:
+    """A line of progress on a terminal's stderr, overwritten by the next ("" clears it)."""
+    if sys.stderr.isatty():
+        print(f"\r{text:<40}", end="" if text else "\r", file=sys.stderr, flush=True)
+
+
+def _latency(ns: argparse.Namespace) -> int:
+    runner = Runner(ns, ns.batch_size)
+    for i in range(ns.num_iters_warmup):
+        _progress(f"warm-up {i + 1}/{ns.num_iters_warmup}")
+        runner.run()
+    runner.prefix_hits = runner.preemptions = 0
+    latencies, tokens = [], []
+    for i in range(ns.num_iters):
+        _progress(f"run {i + 1}/{ns.num_iters}")
+        seconds, produced = runner.run()
+        latencies.append(seconds)
+        tokens.append(produced)
+    _progress("")
+    mean = sum(latencies) / len(latencies)
+    print(f"Avg latency: {mean:.4f} seconds")
+    for pct in PERCENTILES:
+        print(f"{pct}% percentile latency: {percentile(latencies, pct):.4f} seconds")
+    print(f"Output tokens per batch: {tokens[0]}; {tokens[0] / mean:.1f} output tokens/s")
+    _write_json(
+        ns.output_json,
+        ns,
+        {
+            "avg_latency": mean,
+            "latencies": latencies,
+            "percentiles": {str(p): percentile(latencies, p) for p in PERCENTILES},
+            "output_tokens_per_iter": tokens,
+            "prefix_cache_hits": runner.prefix_hits,
+            "preemptions": runner.preemptions,
+        },
+    )
+    return 0
+
+
+def _throughput(ns: argparse.Namespace) -> int:
+    runner = Runner(ns, ns.num_prompts)
+    if ns.warmup:
+        runner.llm.generate([runner.prompts[0][:8]], runner.params, use_tqdm=False)
+    seconds, produced = runner.run()
+    prompt_tokens = ns.num_prompts * ns.input_len
+    print(
+        f"Throughput: {ns.num_prompts / seconds:.2f} requests/s, "
+        f"{(prompt_tokens + produced) / seconds:.2f} total tokens/s, "
+        f"{produced / seconds:.2f} output tokens/s"
+    )
+    print(f"Total num prompt tokens: {prompt_tokens}\nTotal num output tokens: {produced}")
+    _write_json(
+        ns.output_json,
+        ns,
+        {
+            "elapsed_time": seconds,
+            "num_requests": ns.num_prompts,
+            "total_num_tokens": prompt_tokens + produced,
+            "num_output_tokens": produced,
+            "requests_per_second": ns.num_prompts / seconds,
+            "tokens_per_second": (prompt_tokens + produced) / seconds,
+            "output_tokens_per_second": produced / seconds,
+            "prefix_cache_hits": runner.prefix_hits,
+            "preemptions": runner.preemptions,
+        },
+    )
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    from pagedllm.entrypoints.cli import SUBCOMMANDS
+
+    p = subparsers.add_parser(name, help=SUBCOMMANDS[name][1], description=__doc__)
+    kinds = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    lat, flags = _benchmark(
+        kinds, "latency", "one batch's latency, run after run",
+        "The latency of one batch of requests, run after run (vllm bench latency).", 32,
+    )  # fmt: skip
+    flags.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    flags.add_argument("--num-iters-warmup", type=int, default=10, help="untimed runs first")
+    flags.add_argument("--num-iters", type=int, default=30, help="timed runs")
+    lat.set_defaults(func=_latency)
+    thr, flags = _benchmark(
+        kinds, "throughput", "requests/s and tokens/s of many requests at once",
+        "Throughput of many requests given at once (vllm bench throughput).", 128,
+    )  # fmt: skip
+    flags.add_argument("--num-prompts", type=int, default=64, help="requests")
+    flags.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one short request first (loads the kernels)",
+    )
+    thr.set_defaults(func=_throughput)
+    return p
+
+
+def _benchmark(
+    kinds: argparse._SubParsersAction, name: str, help_text: str, description: str, input_len: int
+) -> tuple[argparse.ArgumentParser, Any]:
+    """A benchmark's parser with the flags both take (lengths, samples, JSON, engine flags),
+    and its group of benchmark flags for the rest."""
+    from pagedllm.entrypoints.cli import DefaultsHelpFormatter, add_engine_args
+
+    p = kinds.add_parser(
+        name, help=help_text, description=description, formatter_class=DefaultsHelpFormatter
+    )
+    group = p.add_argument_group("benchmark")
+    group.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
+    group.add_argument("--output-len", type=int, default=128, help="tokens generated")
+    group.add_argument("--n", type=int, default=1, help="samples per prompt")
+    group.add_argument("--output-json", default=None, help="write the figures here as JSON")
+    add_engine_args(p, model_positional=True)
+    return p, group
