@@ -28,12 +28,10 @@ import asyncio
 import json
 import math
 import os
-import random
 import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -42,30 +40,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 
 from pagedllm.config import default_model_path  # noqa: E402
-
-CORPUS = (
-    "The scheduler admits waiting requests while the token budget lasts. Every running "
-    "sequence decodes one token per step; long prompts are split into chunks. Blocks of the "
-    "key-value cache are shared between requests with a common prefix, and freed blocks stay "
-    "cached until memory is needed. A list is a mutable sequence; dictionaries map keys to "
-    "values; tuples are immutable. 0123456789 (){}[] <>=+-*/ .,;:!? "
-) * 4
-
-
-@dataclass
-class Result:
-    ok: bool = False
-    ttft: float = 0.0  # seconds from sending to the first text chunk
-    e2e: float = 0.0
-    output_tokens: int = 0
-    itls: list[float] = field(default_factory=list)  # gaps between text chunks
-    error: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+from pagedllm.entrypoints.bench_serve import (  # noqa: E402
+    Target,
+    make_prompts,
+    run_rate,
+    run_sequential,
+    summarize,
+)
 
 
 # ---- the server ---------------------------------------------------------------------------
@@ -99,112 +80,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise RuntimeError("the server did not become healthy")
 
 
-def make_prompts(url: str, num: int, input_len: int, seed: int) -> list[list[int]]:
-    """num prompts of input_len token ids drawn from the server's tokenization of CORPUS."""
-    pool = httpx.post(url + "/tokenize", json={"prompt": CORPUS}, timeout=30).json()["tokens"]
-    rng = random.Random(seed)
-    return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num)]
-
-
-# ---- one request, one rate ----------------------------------------------------------------
-async def send(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> Result:
-    body = {
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    result = Result()
-    chunks = 0  # one per token: the count when a server sends no usage (llama.cpp)
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                choice = (chunk.get("choices") or [{}])[0]
-                if "text" in choice and (choice["text"] or choice.get("finish_reason") is None):
-                    chunks += 1  # a token (text may wait for the rest of a UTF-8 character)
-                if chunk.get("choices") and chunk["choices"][0]["text"]:
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - start
-        result.output_tokens = result.output_tokens or chunks
-        result.ok = result.output_tokens == output_len
-        if not result.ok:
-            result.error = f"{result.output_tokens} tokens instead of {output_len}"
-    except httpx.HTTPError as e:
-        result.error = repr(e)
-    return result
-
-
-async def run_rate(
-    url: str, prompts: list[list[int]], output_len: int, rate: float, seed: int
-) -> tuple[list[Result], float]:
-    """Send every prompt with Poisson arrivals at rate req/s; (results, wall seconds)."""
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(send(client, url, prompt, output_len)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
-
-
-async def run_sequential(url: str, prompts: list[list[int]], output_len: int) -> list[Result]:
-    async with httpx.AsyncClient(timeout=600) as client:
-        return [await send(client, url, p, output_len) for p in prompts]
-
-
 # ---- reporting ----------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def summarize(rate: float, results: list[Result], seconds: float) -> dict:
-    ok = [r for r in results if r.ok]
-    row = {
-        "rate": rate,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "seconds": seconds,
-        "req_per_s": len(ok) / seconds,
-        "out_tok_per_s": sum(r.output_tokens for r in ok) / seconds,
-    }
-    series = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [r.tpot for r in ok if r.tpot is not None],
-        "itl": [gap for r in ok for gap in r.itls],
-        "e2e": [r.e2e for r in ok],
-    }
-    for name, values in series.items():
-        for q in (50, 90, 99):
-            row[f"{name}_p{q}_ms"] = 1000 * percentile(values, q)
-    return row
-
-
 def print_table(rows: list[dict], baseline: dict) -> str:
     head = (
         "| rate (req/s) | done | req/s | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
@@ -302,13 +178,15 @@ def parse_args() -> argparse.Namespace:
 
 def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, list]:
     """The unloaded baseline and one row per request rate against the server at url."""
-    asyncio.run(run_sequential(url, prompts[:2], args.output_len))  # warm-up
+    target = Target(url)
+    asyncio.run(run_sequential(target, prompts[:2], args.output_len))  # warm-up
     start = time.perf_counter()
-    base = asyncio.run(run_sequential(url, prompts[: args.baseline_prompts], args.output_len))
+    base = asyncio.run(run_sequential(target, prompts[: args.baseline_prompts], args.output_len))
     baseline = summarize(0.0, base, time.perf_counter() - start)
     rows = []
     for i, rate in enumerate(args.request_rates):
-        results, seconds = asyncio.run(run_rate(url, prompts, args.output_len, rate, args.seed + i))
+        run = run_rate(target, prompts, args.output_len, rate, args.seed + i)
+        results, seconds = asyncio.run(run)
         rows.append(summarize(rate, results, seconds))
         errors = {r.error for r in results if not r.ok}
         print(f"rate {rate:g}: {rows[-1]['completed']} done in {seconds:.1f} s {errors or ''}")
@@ -346,7 +224,7 @@ def main() -> None:
     if url is None:
         proc, url = start_server(args.model or default_model_path(), args.server_args.split())
     try:
-        prompts = make_prompts(url, args.num_prompts, args.input_len, args.seed)
+        prompts = make_prompts(Target(url), args.num_prompts, args.input_len, args.seed)
         print(f"machine: {machine()}\nserver: {url}")
         print(f"{args.num_prompts} requests per rate, {args.input_len} in / {args.output_len} out")
         baseline, rows = measure(url, prompts, args)

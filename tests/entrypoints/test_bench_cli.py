@@ -1,12 +1,15 @@
-"""`pagedllm bench latency` and `pagedllm bench throughput`: what they run and report."""
+"""`pagedllm bench latency`, `throughput` and `serve`: what they run and report."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 from helpers.process import run_cli
+from helpers.serve import pagedllm_serve
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.bench_cli import Runner, percentile, random_prompts
@@ -97,3 +100,42 @@ def test_random_prompts_stay_in_the_vocabulary_and_repeat_with_the_seed():
     assert all(0 <= t < 50 for p in prompts for t in p)
     assert prompts == random_prompts(50, 4, 30, seed=7)
     assert prompts != random_prompts(50, 4, 30, seed=8)
+
+
+def served_totals(url: str) -> dict[str, float]:
+    """The server's requests finished at their length and tokens generated, from /metrics."""
+    totals = {"vllm:request_success_total": 0.0, "vllm:generation_tokens_total": 0.0}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name in totals and sample.labels.get("finished_reason", "length") == "length":
+                totals[sample.name] += sample.value
+    return totals
+
+
+def test_bench_serve_streams_every_request_from_a_live_server(model_factory, tmp_path):
+    out = tmp_path / "serve.json"
+    with pagedllm_serve(str(model_factory("llama")), "--dtype", "float32") as url:
+        before = served_totals(url)
+        proc = run_cli(
+            "bench", "serve", "--base-url", url, "--num-prompts", "4", "--input-len", "10",
+            "--output-len", "5", "--request-rate", "50", "--output-json", str(out),
+        )  # fmt: skip
+        after = served_totals(url)
+        served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    assert proc.returncode == 0, proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout and "P99 ITL (ms):" in proc.stdout
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["output_tokens"] == 4 * 5 and result["input_tokens"] == 4 * 10
+    assert result["model"] == served  # asked for by name, found through /v1/models
+    assert result["ttft_p50_ms"] > 0 and result["itl_p50_ms"] > 0
+    # the server counted the same four requests, each to its length, and their tokens
+    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 4
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 20
+
+
+def test_bench_serve_says_when_no_server_answers(tmp_path):
+    proc = run_cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1")
+    assert proc.returncode == 2
+    assert "error: no server answers at http://127.0.0.1:9" in proc.stderr
+    assert "Traceback" not in proc.stderr

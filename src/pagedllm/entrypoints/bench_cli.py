@@ -1,4 +1,5 @@
-"""``pagedllm bench latency`` and ``pagedllm bench throughput``: vLLM's offline benchmarks.
+"""``pagedllm bench latency`` and ``pagedllm bench throughput``: vLLM's offline benchmarks;
+``pagedllm bench serve`` measures a running server (entrypoints/bench_serve.py).
 
 latency: one batch of ``--batch-size`` prompts of ``--input-len`` tokens, each generating
 ``--output-len`` tokens, run ``--num-iters`` times after ``--num-iters-warmup``; prints the
@@ -23,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.entrypoints import bench_serve
+from pagedllm.entrypoints.bench_serve import percentile
+
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
@@ -30,15 +34,6 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[
     """count prompts of length token ids drawn from [0, vocab_size)."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """The pct-th percentile, linear between the closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * pct / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class Runner:
@@ -179,6 +174,16 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
         help="one short request first (loads the kernels)",
     )
     thr.set_defaults(func=_throughput)
+    from pagedllm.entrypoints.cli import DefaultsHelpFormatter
+
+    srv = kinds.add_parser(
+        "serve",
+        help="latency percentiles of requests streamed from a running server",
+        description=bench_serve.__doc__,
+        formatter_class=DefaultsHelpFormatter,
+    )
+    bench_serve.add_arguments(srv)
+    srv.set_defaults(func=bench_serve.run)
     return p
 
 
