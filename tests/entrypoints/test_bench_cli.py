@@ -117,7 +117,7 @@ def test_bench_serve_streams_every_request_from_a_live_server(model_factory, tmp
     with pagedllm_serve(str(model_factory("llama")), "--dtype", "float32") as url:
         before = served_totals(url)
         proc = run_cli(
-            "bench", "serve", "--base-url", url, "--num-prompts", "4", "--input-len", "10",
+            "bench", "serve", "--base-url", url + "/v1", "--num-prompts", "4", "--input-len", "10",
             "--output-len", "5", "--request-rate", "50", "--output-json", str(out),
         )  # fmt: skip
         after = served_totals(url)
@@ -128,10 +128,21 @@ def test_bench_serve_streams_every_request_from_a_live_server(model_factory, tmp
     assert (result["completed"], result["failed"]) == (4, 0)
     assert result["output_tokens"] == 4 * 5 and result["input_tokens"] == 4 * 10
     assert result["model"] == served  # asked for by name, found through /v1/models
+    assert result["args"]["base_url"] == url + "/v1"  # an OpenAI client's base URL works too
     assert result["ttft_p50_ms"] > 0 and result["itl_p50_ms"] > 0
     # the server counted the same four requests, each to its length, and their tokens
     assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 4
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 20
+
+
+def test_bench_serve_json_is_strict_where_figures_are_infinite_or_missing():
+    from pagedllm.entrypoints.bench_serve import Result, _plain, summarize
+
+    row = summarize(float("inf"), [Result(error="HTTP 400: bad")], 1.0)
+    assert row["completed"] == 0 and row["errors"] == ["HTTP 400: bad"]
+    text = json.dumps(_plain(row), allow_nan=False)  # raises on inf / nan
+    back = json.loads(text)
+    assert back["rate"] == "inf" and back["ttft_p50_ms"] is None
 
 
 def test_bench_serve_says_when_no_server_answers(tmp_path):

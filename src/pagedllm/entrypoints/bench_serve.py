@@ -233,7 +233,8 @@ def run(ns: argparse.Namespace) -> int:
     if not ns.request_rate > 0:
         raise ValueError("--request-rate must be above 0 (inf: every request at once)")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
-    target = Target(ns.base_url.rstrip("/"), ns.model, ns.api_key)
+    url = ns.base_url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL works too
+    target = Target(url, ns.model, ns.api_key)
     try:
         target.model = target.model or served_model(target)
         prompts = make_prompts(target, ns.num_prompts, ns.input_len, ns.seed)
@@ -248,9 +249,22 @@ def run(ns: argparse.Namespace) -> int:
         flags = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool))}
         flags.pop("api_key", None)
         record = {**row, "model": target.model, "input_tokens": ns.num_prompts * ns.input_len}
-        Path(ns.output_json).write_text(json.dumps({**record, "args": flags}, indent=2) + "\n")
+        text = json.dumps(_plain({**record, "args": flags}), indent=2)
+        Path(ns.output_json).write_text(text + "\n")
         print(f"figures written to {ns.output_json}")
     return 0 if row["failed"] == 0 else 1
+
+
+def _plain(value: object) -> object:
+    """value with strict JSON's numbers: an infinite rate as "inf", a missing figure (NaN,
+    no request completed) as null."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
