@@ -28,6 +28,13 @@ from pagedllm.entrypoints import bench_serve
 from pagedllm.entrypoints.bench_serve import percentile
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
+DESCRIPTION = (
+    "vLLM's benchmarks. latency: one batch of random-token prompts, run after run (mean and "
+    "percentile latency). throughput: many requests at once (requests/s, tokens/s). Both load "
+    "the model here with the engine flags of `pagedllm generate`, decode greedily past EOS and "
+    "start each timed run from an empty prefix cache. serve: requests streamed from a running "
+    "OpenAI-compatible server (TTFT, TPOT and inter-token latency percentiles)."
+)
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -152,7 +159,7 @@ def _throughput(ns: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
     from pagedllm.entrypoints.cli import SUBCOMMANDS
 
-    p = subparsers.add_parser(name, help=SUBCOMMANDS[name][1], description=__doc__)
+    p = subparsers.add_parser(name, help=SUBCOMMANDS[name][1], description=DESCRIPTION)
     kinds = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     lat, flags = _benchmark(
         kinds, "latency", "one batch's latency, run after run",
@@ -179,7 +186,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> argparse.Ar
     srv = kinds.add_parser(
         "serve",
         help="latency percentiles of requests streamed from a running server",
-        description=bench_serve.__doc__,
+        description=bench_serve.DESCRIPTION,
         formatter_class=DefaultsHelpFormatter,
     )
     bench_serve.add_arguments(srv)

@@ -7,8 +7,6 @@ prompt of ``--input-len`` token ids drawn from the server's own tokenization of 
 ``ignore_eos``).
 """
 
-# benchmarks/serving.py runs this client at several rates, and against llama.cpp's server.
-
 from __future__ import annotations
 
 import argparse
@@ -23,6 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+# benchmarks/serving.py runs this client at several rates, and against llama.cpp's server.
+
+DESCRIPTION = (
+    "Requests streamed from a running OpenAI-compatible server, as `vllm bench serve` sends "
+    "them: prompts of random tokens from the server's /tokenize, Poisson arrivals at "
+    "--request-rate (inf: all at once), exactly --output-len tokens each (greedy, ignore_eos). "
+    "Prints throughput and the TTFT, TPOT, inter-token and end-to-end latency percentiles."
+)
 
 CORPUS = (
     "The scheduler admits waiting requests while the token budget lasts. Every running "
