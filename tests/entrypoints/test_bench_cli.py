@@ -129,7 +129,9 @@ def test_bench_serve_streams_every_request_from_a_live_server(model_factory, tmp
     assert result["output_tokens"] == 4 * 5 and result["input_tokens"] == 4 * 10
     assert result["model"] == served  # asked for by name, found through /v1/models
     assert result["args"]["base_url"] == url + "/v1"  # an OpenAI client's base URL works too
-    assert result["ttft_p50_ms"] > 0 and result["itl_p50_ms"] > 0
+    assert 0 < result["ttft_p50_ms"] <= result["e2e_p50_ms"]
+    # no inter-token gap where a busy server sent a request's tokens in one chunk (null)
+    assert result["itl_p50_ms"] is None or result["itl_p50_ms"] > 0
     # the server counted the same four requests, each to its length, and their tokens
     assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 4
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 20
