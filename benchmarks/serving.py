@@ -5,7 +5,8 @@ them all at once) and stream from /v1/completions. Per rate it reports request t
 output tokens/s and TTFT / TPOT / ITL / end-to-end latency percentiles, as ratios to an
 unloaded baseline (the same requests sent one at a time). Prompts are random token ids drawn
 from the server's own tokenization of a text, of a fixed length; outputs have a fixed length
-(``ignore_eos``), so the workload does not depend on the weights.
+(``ignore_eos``), so the workload does not depend on the weights. The client is ``pagedllm
+bench serve``'s (pagedllm/entrypoints/bench_serve.py), which measures one rate.
 
     python benchmarks/serving.py --model models/pagedllm-demo           # starts a server
     python benchmarks/serving.py --base-url http://127.0.0.1:8000       # a running server
