@@ -17,15 +17,13 @@ the engine's counters (prefix-cache hits, preemptions) of the timed runs.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from pagedllm.entrypoints import bench_serve
-from pagedllm.entrypoints.bench_serve import percentile
+from pagedllm.entrypoints.bench_serve import percentile, require_counts, write_figures
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 DESCRIPTION = (
@@ -51,9 +49,7 @@ class Runner:
         from pagedllm.entrypoints.llm import LLM
         from pagedllm.sampling_params import SamplingParams
 
-        for name in ("input_len", "output_len", "n", "batch_size", "num_iters", "num_prompts"):
-            if getattr(ns, name, 1) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_counts(ns, "input_len", "output_len", "n", "batch_size", "num_iters", "num_prompts")
         if getattr(ns, "num_iters_warmup", 0) < 0:
             raise ValueError("--num-iters-warmup must be at least 0")
         self.llm = LLM.from_engine_args(engine_args_from(ns))
@@ -79,14 +75,6 @@ class Runner:
         return seconds, sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
-def _write_json(path: str | None, ns: argparse.Namespace, result: dict[str, Any]) -> None:
-    if not path:
-        return
-    flags = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list))}
-    Path(path).write_text(json.dumps({**result, "args": flags}, indent=2) + "\n")
-    print(f"figures written to {path}")
-
-
 def _progress(text: str) -> None:
     """A line of progress on a terminal's stderr, overwritten by the next ("" clears it)."""
     if sys.stderr.isatty():
@@ -107,17 +95,18 @@ def _latency(ns: argparse.Namespace) -> int:
         tokens.append(produced)
     _progress("")
     mean = sum(latencies) / len(latencies)
+    percentiles = {str(p): percentile(latencies, p) for p in PERCENTILES}
     print(f"Avg latency: {mean:.4f} seconds")
-    for pct in PERCENTILES:
-        print(f"{pct}% percentile latency: {percentile(latencies, pct):.4f} seconds")
+    for pct, value in percentiles.items():
+        print(f"{pct}% percentile latency: {value:.4f} seconds")
     print(f"Output tokens per batch: {tokens[0]}; {tokens[0] / mean:.1f} output tokens/s")
-    _write_json(
+    write_figures(
         ns.output_json,
         ns,
         {
             "avg_latency": mean,
             "latencies": latencies,
-            "percentiles": {str(p): percentile(latencies, p) for p in PERCENTILES},
+            "percentiles": percentiles,
             "output_tokens_per_iter": tokens,
             "prefix_cache_hits": runner.prefix_hits,
             "preemptions": runner.preemptions,
@@ -138,7 +127,7 @@ def _throughput(ns: argparse.Namespace) -> int:
         f"{produced / seconds:.2f} output tokens/s"
     )
     print(f"Total num prompt tokens: {prompt_tokens}\nTotal num output tokens: {produced}")
-    _write_json(
+    write_figures(
         ns.output_json,
         ns,
         {

@@ -130,7 +130,7 @@ async def send(
                 choice = (chunk.get("choices") or [{}])[0]
                 if "text" in choice and (choice["text"] or choice.get("finish_reason") is None):
                     chunks += 1  # a token (text may wait for the rest of a UTF-8 character)
-                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                if chunk.get("choices") and choice["text"]:
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -175,14 +175,15 @@ def _stat(values: list[float], q: float) -> float:
 def summarize(rate: float, results: list[Result], seconds: float) -> dict:
     """Throughput and the latency percentiles (ms) of the completed requests."""
     ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
     row = {
         "rate": rate,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "seconds": seconds,
         "req_per_s": len(ok) / seconds,
-        "out_tok_per_s": sum(r.output_tokens for r in ok) / seconds,
-        "output_tokens": sum(r.output_tokens for r in ok),
+        "out_tok_per_s": output_tokens / seconds,
+        "output_tokens": output_tokens,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
     series = {
@@ -233,10 +234,28 @@ def report(row: dict, input_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def run(ns: argparse.Namespace) -> int:
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(ns, name) < 1:
+def require_counts(ns: argparse.Namespace, *names: str) -> None:
+    """ValueError naming the first of these flags given below 1 (absent ones pass)."""
+    for name in names:
+        if getattr(ns, name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def write_figures(path: str | None, ns: argparse.Namespace, figures: dict) -> None:
+    """figures and the parsed flags as strict JSON at path (nothing without one); the API key
+    and the raw command line (which may hold it) stay out."""
+    if not path:
+        return
+    kinds = (str, int, float, bool, list)
+    flags = {k: v for k, v in vars(ns).items() if isinstance(v, kinds)}
+    for secret in ("api_key", "raw_argv"):
+        flags.pop(secret, None)
+    Path(path).write_text(json.dumps(_plain({**figures, "args": flags}), indent=2) + "\n")
+    print(f"figures written to {path}")
+
+
+def run(ns: argparse.Namespace) -> int:
+    require_counts(ns, "num_prompts", "input_len", "output_len")
     if not ns.request_rate > 0:
         raise ValueError("--request-rate must be above 0 (inf: every request at once)")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
@@ -252,13 +271,8 @@ def run(ns: argparse.Namespace) -> int:
     )
     row = summarize(ns.request_rate, results, seconds)
     print(report(row, ns.num_prompts * ns.input_len))
-    if ns.output_json:
-        flags = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool))}
-        flags.pop("api_key", None)
-        record = {**row, "model": target.model, "input_tokens": ns.num_prompts * ns.input_len}
-        text = json.dumps(_plain({**record, "args": flags}), indent=2)
-        Path(ns.output_json).write_text(text + "\n")
-        print(f"figures written to {ns.output_json}")
+    record = {**row, "model": target.model, "input_tokens": ns.num_prompts * ns.input_len}
+    write_figures(ns.output_json, ns, record)
     return 0 if row["failed"] == 0 else 1
 
 
