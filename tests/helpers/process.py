@@ -8,6 +8,7 @@ import queue
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -107,8 +108,6 @@ def stop_cleanly(proc: subprocess.Popen, output: Output) -> None:
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`pagedllm ARGS...` in a child Python (this interpreter), its output captured as text."""
-    import sys
-
     return subprocess.run(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", *args],
         capture_output=True,
