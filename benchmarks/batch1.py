@@ -6,13 +6,17 @@ A switch's effect on batch 1 is a few percent, and a shared guest's pace changes
 minutes, so the two sides of each pair run back to back and every round repeats the pair.
 pagedllm: a 128-token prompt (--prompt-len), then 128 tokens, greedy; the best of 3 decode
 rates of one process, with a hash of its tokens (the two sides of a pair must agree).
+llama-bench decodes its 128 tokens after as many tokens of context (``-d``), as compare.py
+runs it. With llama-bench, the end prints each model's median over the rounds of each side
+against llama.cpp's figure of the same round.
 
     python benchmarks/batch1.py --llama-bench PATH --gguf Q4_1.gguf \\
         --model Q4_1.gguf:auto HF_FOLDER:bfloat16 HF_FOLDER:float32 \\
         --switch PAGEDLLM_CPU_HUGE_PAGES --rounds 3
 
 Before and after a change: ``git worktree add ../base COMMIT``, then ``--against ../base``.
-An engine argument: ``--engine-arg kv_cache_dtype=bfloat16``.
+An engine argument: ``--engine-arg kv_cache_dtype=bfloat16``. Beside llama.cpp alone:
+``--switch none``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -80,13 +85,14 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=[],
                     help="MODEL:DTYPE[:QUANTIZATION], a folder or GGUF file each")  # fmt: skip
     ap.add_argument("--switch", default="PAGEDLLM_CPU_HUGE_PAGES",
-                    help="environment variable set to 0, then 1, for each model")  # fmt: skip
+                    help="environment variable set to 0, then 1, for each model; 'none': "
+                         "two runs of the same code a round")  # fmt: skip
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (optional)")
     ap.add_argument("--gguf", help="the GGUF llama-bench decodes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=PROMPT,
-                    help="pagedllm's prompt tokens before the 128 decoded (llama-bench decodes "
-                         "from an empty context either way)")  # fmt: skip
+                    help="tokens of context before the 128 decoded: pagedllm's prompt, "
+                         "llama-bench's -d")  # fmt: skip
     ap.add_argument("--against", metavar="DIR",
                     help="a checkout of another commit: each pair runs its pagedllm (DIR/src), "
                          "then this tree's, in place of --switch")  # fmt: skip
@@ -108,12 +114,16 @@ def main() -> None:
         ap.error("--model is required")
     print(f"machine: {machine()}")
     print(f"load: {Path('/proc/loadavg').read_text().split()[:3]}")
+    ratios: dict[tuple[str, str], list[float]] = {}  # (model, side): pagedllm / llama.cpp
     for r in range(1, args.rounds + 1):
         print(f"round {r} ({time.strftime('%H:%M:%S', time.gmtime())} UTC)", flush=True)
+        rate = None
         if args.llama_bench and args.gguf:
-            bench = llama_bench(Path(args.llama_bench), Path(args.gguf), 2, 0, OUTPUT)
+            bench = llama_bench(
+                Path(args.llama_bench), Path(args.gguf), 2, 0, OUTPUT, depth=args.prompt_len
+            )
             rate = bench["decode_tok_s"]
-            print(f"  llama.cpp {Path(args.gguf).name}: {rate:.1f}")
+            print(f"  llama.cpp {Path(args.gguf).name}: {rate:.1f} ({bench['command']})")
         for spec in args.model:
             model, dtype, *rest = spec.split(":")
             quantization = rest[0] if rest else None
@@ -122,11 +132,12 @@ def main() -> None:
                 env, extra = dict(os.environ), {}
                 if engine_arg:
                     extra = engine_arg if value == "1" else {}
-                elif not args.against:
+                elif args.against:
+                    if value == "0":  # the other checkout's package ahead of this tree's
+                        path = [str(Path(args.against).resolve() / "src"), env.get("PYTHONPATH")]
+                        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+                elif args.switch != "none":
                     env[args.switch] = value
-                elif value == "0":  # the other checkout's package ahead of this tree's
-                    path = [str(Path(args.against).resolve() / "src"), env.get("PYTHONPATH")]
-                    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
                 sides[value] = run_decode(model, dtype, quantization, env, extra, args.prompt_len)
             same = (
                 "same tokens" if sides["0"]["tokens"] == sides["1"]["tokens"] else "TOKENS DIFFER"
@@ -137,8 +148,18 @@ def main() -> None:
                 names = ("before", "after")
             elif engine_arg:
                 names = ("default", args.engine_arg)
+            elif args.switch == "none":
+                names = ("first", "second")
             print(f"  {Path(model).name} {dtype} {quantization or ''}: {names[0]} {off:.1f}, "
                   f"{names[1]} {on:.1f} ({on / off:.2f}x, {same})", flush=True)  # fmt: skip
+            if rate is not None:
+                ratios.setdefault((spec, names[0]), []).append(off / rate)
+                ratios.setdefault((spec, names[1]), []).append(on / rate)
+    for (spec, side), values in ratios.items():
+        print(
+            f"{spec} {side} against llama.cpp, median of {len(values)} rounds: "
+            f"{statistics.median(values):.2f}x (rounds {min(values):.2f}-{max(values):.2f}x)"
+        )
 
 
 if __name__ == "__main__":
