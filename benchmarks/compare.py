@@ -46,6 +46,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -750,9 +751,31 @@ def real_model_markdown(results: dict) -> str:
                 continue
             lines.append(f"- {what}: best pagedllm ({ours[0]}) {ours[1]:.1f} / best llama.cpp "
                          f"({theirs[0]}) {theirs[1]:.1f} = {ours[1] / theirs[1]:.2f}x")  # fmt: skip
+        lines += _paired_lines(rows)
     lines += ["", "Commands:", ""]
     lines += [f"- `{c}`" for row in rows.values() for c in row["commands"]]
     return "\n".join(lines)
+
+
+def _paired_lines(rows: dict) -> list[str]:
+    """Batch 1 format against format, round by round: each pagedllm row's rate over the
+    llama.cpp row of its family in the same round, the median of those ratios and their
+    range. A best of rounds compares the engines' luckiest minutes; the rounds of a shared
+    machine spread by more than the engines differ, and a round's pair ran minutes apart."""
+    theirs = {r["family"]: r for r in rows.values() if r["engine"] == "llama.cpp"}
+    lines = []
+    for row in sorted(rows.values(), key=_row_order):
+        peer = theirs.get(row["family"])
+        if row["engine"] != "pagedllm" or peer is None:
+            continue
+        ratios = [a / b for a, b in zip(row["batch1_rounds"], peer["batch1_rounds"])]
+        lines.append(f"{row['format']} / {peer['format']} {statistics.median(ratios):.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f}x)")  # fmt: skip
+    if not lines:
+        return []
+    rounds = len(next(iter(rows.values()))["batch1_rounds"])
+    return [f"- batch 1, format against format, the median of {rounds} rounds' ratios "
+            f"(their range): {'; '.join(lines)}"]  # fmt: skip
 
 
 def plot_real_model(results: dict, path: Path) -> None:
