@@ -102,6 +102,17 @@ CASES = {
         # the shared-prefix workload's decode (benchmarks/throughput.py): 64 sequences behind
         # one cached 256-token prompt, with 40-170 keys of their own
         Case("decode-125m-shared", [1] * 64, SHARED_KEYS, 12, 4, 64, 12, shared=256),
+        # and its prefill: the 64 prompts' own 16-64 tokens behind the cached 256
+        Case(
+            "prefill-125m-shared",
+            spread(64, 16, 64),
+            [256 + n for n in spread(64, 16, 64)],
+            12,
+            4,
+            64,
+            12,
+            shared=256,
+        ),
     ]
 }
 BLOCK_SIZE = 16
@@ -196,12 +207,15 @@ def sdpa_per_sequence(case: Case, x: Inputs, scale: float) -> torch.Tensor:
         q = x.q[x.cu_q[i] : x.cu_q[i + 1]].transpose(0, 1)[None]  # [1, H, n, D]
         k = x.k[x.cu_k[i] : x.cu_k[i + 1]].transpose(0, 1)[None]
         v = x.v[x.cu_k[i] : x.cu_k[i + 1]].transpose(0, 1)[None]
-        causal = nq == nk  # a lone decode query sees every key: no mask needed
-        outs.append(
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)[
-                0
-            ].transpose(0, 1)
-        )
+        # queries behind earlier keys (a chunk after a cached prefix) see them all: the mask's
+        # diagonal at the end, as is_causal's is only for nq == nk; a lone decode query sees
+        # every key and needs none
+        mask = None
+        if 1 < nq < nk:
+            mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        attend = F.scaled_dot_product_attention
+        o = attend(q, k, v, mask, is_causal=nq == nk, scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
 
