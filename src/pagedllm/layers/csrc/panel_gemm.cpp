@@ -142,6 +142,7 @@ struct Tile {
   bool first, last;
   bool dp;           // bfloat16: vdpbf16ps (AVX512-BF16), else two FMAs per pair
   const T* w_end;    // one row tile (streaming): the end of the weight's panels, else null
+  int64_t stream_ahead;  // streaming: bytes each panel is requested ahead (panel_ahead_bytes)
   // Many rows: lines of the next panel group's slice this tile requests (Ahead), or none.
   const T* ahead;    // the next group's first panel at its slice's first step, or null
   int64_t ahead_first, ahead_lines;  // this tile's share: lines [first, first + lines)
@@ -175,10 +176,26 @@ inline void ahead_share(Tile<T>& t, int64_t i, int64_t tiles, int64_t lines) {
 #if PAGEDLLM_X86 && defined(__GNUC__)
 
 // A row tile that streams the weight (up to kMaxMR rows: each weight read once) requests each
-// panel's stream kPanelAheadBytes ahead into L2; past the group's last step, the same place in
-// the next group's panel. SmolLM2's bf16 GGUF at batch 1 (alternating engines in one process,
-// 4 rounds, a 2-core Xeon with AMX): 84.6-95.4 -> 93.8-102.5 tok/s; fp32 about 6% faster.
-constexpr int64_t kPanelAheadBytes = 2048;
+// panel's stream panel_ahead_bytes() ahead into L2; past the group's last step, the same place
+// in the next group's panel. SmolLM2's bf16 GGUF at batch 1 (alternating engines in one
+// process, 4 rounds, a 2-core Xeon with AMX), 2 KB ahead against none: 84.6-95.4 -> 93.8-102.5
+// tok/s; fp32 about 6% faster. On AMD the distance is 1 KB: SmolLM2's decode at batch 1 on a
+// 2-core Zen 4 guest, one process switching the distance every 16 steps (a development A/B,
+// 30-60 pairs each), 1 KB against 2 KB: fp32 1.13x (37 of 40 pairs faster), bf16 1.02x; against
+// 512 B 1.02x / 1.04x, against 1.5 KB (fp32) 1.12x, against none 1.04x / 1.06x. The 120 one-row
+// fp32 layer products alone ran 2 KB ahead at 32-37 GB/s where the read bandwidth reached 53,
+// 1 KB ahead at 39-43. Zen 3's AVX2 GEMV found 1 KB best too (kGemvAheadBytes, fused_ops.cpp).
+// The kernels take the distance as a template argument: as a value from the tile, one more
+// live integer made GCC spill a tile's vectors inside its loop over K.
+constexpr int64_t kPanelAheadShort = 1024, kPanelAheadLong = 2048;
+
+int64_t panel_ahead_bytes() {
+  static const int64_t bytes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? kPanelAheadShort : kPanelAheadLong;
+  }();
+  return bytes;
+}
 
 // A tile of many rows requests its share of the next panel group's lines (Tile::ahead), a
 // few per step of K: line i is step i / nr of panel i % nr. The first row tile of a group
@@ -220,11 +237,11 @@ struct Ahead {
   }
 };
 
-template <typename T, int NR>
+template <int64_t AHEAD, typename T, int NR>
 inline void prefetch_panels(const Tile<T>& t, int64_t k, int64_t width) {
   if (t.w_end == nullptr) return;
   const int64_t steps = t.panel / width;
-  const int64_t ahead = kPanelAheadBytes / (width * int64_t(sizeof(T)));
+  const int64_t ahead = AHEAD / (width * int64_t(sizeof(T)));
   for (int j = 0; j < NR; ++j) {
     const int64_t at = k + ahead;
     const T* line = at < steps ? t.w + j * t.panel + at * width
@@ -296,14 +313,14 @@ __attribute__((target("avx512f"))) inline void store_acc(const Tile<T>& t,
     }
 }
 
-template <int MR, int NR>
+template <int MR, int NR, int64_t AHEAD>
 __attribute__((target("avx512f"))) void tile_f32(const Tile<float>& t) {
   __m512 acc[MR][NR];
   load_acc<MR, NR>(t, acc);
   const float* w = t.w;
   Ahead<float> ahead(t, kPanel);
   for (int64_t k = t.k0; k < t.k1; ++k) {
-    prefetch_panels<float, NR>(t, k, kPanel);
+    prefetch_panels<AHEAD, float, NR>(t, k, kPanel);
     ahead.advance();
     __m512 b[NR];
     for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_ps(w + j * t.panel + k * kPanel);
@@ -321,14 +338,14 @@ inline int32_t pair_at(const at::BFloat16* p) {
   return v;
 }
 
-template <int MR, int NR>
+template <int MR, int NR, int64_t AHEAD>
 __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_dp(const Tile<at::BFloat16>& t) {
   __m512 acc[MR][NR];
   load_acc<MR, NR>(t, acc);
   const at::BFloat16* w = t.w;
   Ahead<at::BFloat16> ahead(t, 2 * kPanel);
   for (int64_t k = t.k0; k < t.k1; ++k) {  // k: a pair of input features
-    prefetch_panels<at::BFloat16, NR>(t, k, 2 * kPanel);
+    prefetch_panels<AHEAD, at::BFloat16, NR>(t, k, 2 * kPanel);
     ahead.advance();
     __m512i b[NR];
     for (int j = 0; j < NR; ++j)
@@ -342,7 +359,7 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_dp(const Tile<at::B
   store_acc<MR, NR>(t, acc);
 }
 
-template <int MR, int NR>
+template <int MR, int NR, int64_t AHEAD>
 __attribute__((target("avx512f"))) void tile_bf16_fma(const Tile<at::BFloat16>& t) {
   __m512 acc[MR][NR];
   load_acc<MR, NR>(t, acc);
@@ -350,7 +367,7 @@ __attribute__((target("avx512f"))) void tile_bf16_fma(const Tile<at::BFloat16>& 
   const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
   Ahead<at::BFloat16> ahead(t, 2 * kPanel);
   for (int64_t k = t.k0; k < t.k1; ++k) {
-    prefetch_panels<at::BFloat16, NR>(t, k, 2 * kPanel);
+    prefetch_panels<AHEAD, at::BFloat16, NR>(t, k, 2 * kPanel);
     ahead.advance();
     for (int j = 0; j < NR; ++j) {
       const __m512i v = _mm512_loadu_si512(w + j * t.panel + k * 2 * kPanel);
@@ -367,11 +384,20 @@ __attribute__((target("avx512f"))) void tile_bf16_fma(const Tile<at::BFloat16>& 
 }
 
 template <int MR, int NR>
-void tile(const Tile<float>& t) { tile_f32<MR, NR>(t); }
+void tile(const Tile<float>& t) {
+  if (t.stream_ahead == kPanelAheadShort)
+    tile_f32<MR, NR, kPanelAheadShort>(t);
+  else
+    tile_f32<MR, NR, kPanelAheadLong>(t);
+}
 
 template <int MR, int NR>
 void tile(const Tile<at::BFloat16>& t) {
-  if (t.dp) tile_bf16_dp<MR, NR>(t); else tile_bf16_fma<MR, NR>(t);
+  const bool short_ahead = t.stream_ahead == kPanelAheadShort;
+  if (t.dp && short_ahead) tile_bf16_dp<MR, NR, kPanelAheadShort>(t);
+  else if (t.dp) tile_bf16_dp<MR, NR, kPanelAheadLong>(t);
+  else if (short_ahead) tile_bf16_fma<MR, NR, kPanelAheadShort>(t);
+  else tile_bf16_fma<MR, NR, kPanelAheadLong>(t);
 }
 
 template <typename T, int MR>
@@ -570,7 +596,10 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
   t.panel = panel;
   t.ys = y.stride(0);
   // the prefetch runs on past p1: a thread's next chunk is the group after (balanced_for)
-  if (m <= kMaxMR) t.w_end = w.data_ptr<T>() + w.size(0) * panel;
+  if (m <= kMaxMR) {
+    t.w_end = w.data_ptr<T>() + w.size(0) * panel;
+    t.stream_ahead = panel_ahead_bytes();
+  }
   int64_t requested = 0;  // lines requested a group ahead (ahead_lines(), counted once a call)
   for (int64_t k0 = 0; k0 < steps; k0 += slice) {
     t.k0 = k0;
