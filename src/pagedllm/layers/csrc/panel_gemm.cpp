@@ -383,21 +383,21 @@ __attribute__((target("avx512f"))) void tile_bf16_fma(const Tile<at::BFloat16>& 
   store_acc<MR, NR>(t, acc);
 }
 
-template <int MR, int NR>
-void tile(const Tile<float>& t) {
-  if (t.stream_ahead == kPanelAheadShort)
-    tile_f32<MR, NR, kPanelAheadShort>(t);
-  else
-    tile_f32<MR, NR, kPanelAheadLong>(t);
+template <int MR, int NR, int64_t AHEAD>
+void tile_ahead(const Tile<float>& t) { tile_f32<MR, NR, AHEAD>(t); }
+
+template <int MR, int NR, int64_t AHEAD>
+void tile_ahead(const Tile<at::BFloat16>& t) {
+  if (t.dp) tile_bf16_dp<MR, NR, AHEAD>(t); else tile_bf16_fma<MR, NR, AHEAD>(t);
 }
 
-template <int MR, int NR>
-void tile(const Tile<at::BFloat16>& t) {
-  const bool short_ahead = t.stream_ahead == kPanelAheadShort;
-  if (t.dp && short_ahead) tile_bf16_dp<MR, NR, kPanelAheadShort>(t);
-  else if (t.dp) tile_bf16_dp<MR, NR, kPanelAheadLong>(t);
-  else if (short_ahead) tile_bf16_fma<MR, NR, kPanelAheadShort>(t);
-  else tile_bf16_fma<MR, NR, kPanelAheadLong>(t);
+// The stream distance of this call (panel_ahead_bytes) as the kernels' template argument.
+template <int MR, int NR, typename T>
+void tile(const Tile<T>& t) {
+  if (t.stream_ahead == kPanelAheadShort)
+    tile_ahead<MR, NR, kPanelAheadShort>(t);
+  else
+    tile_ahead<MR, NR, kPanelAheadLong>(t);
 }
 
 template <typename T, int MR>
