@@ -46,17 +46,24 @@ def kernel() -> None:
 
 
 class FusedCounter:
-    """Counts calls of the fused decoder."""
+    """Counts calls of the fused decoder: of its layers alone, and of its layers with the
+    model's ends (`head_calls`, which `calls` includes)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = CpuFusedDecoder.__call__
+        self.calls = self.head_calls = 0
+        layers, with_head = CpuFusedDecoder.__call__, CpuFusedDecoder.logits
 
         def counted(decoder, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             self.calls += 1
-            return real(decoder, *args, **kwargs)
+            return layers(decoder, *args, **kwargs)
+
+        def counted_head(decoder, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self.calls += 1
+            self.head_calls += 1
+            return with_head(decoder, *args, **kwargs)
 
         monkeypatch.setattr(CpuFusedDecoder, "__call__", counted)
+        monkeypatch.setattr(CpuFusedDecoder, "logits", counted_head)
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -104,11 +111,49 @@ def test_fused_layers_equal_the_python_layers(
     fused, llm = run_engine(model_dir, dtype, quantization, enforce_eager=False)
     assert llm.llm_engine.executor.local_runner.fast_path is not None
     assert counter.calls > 0
+    # the final norm and the LM head in the same call, but for a soft-capped head (the tiny
+    # Gemma 3's), which compute_logits runs after it
+    softcap = llm.llm_engine.model.logit_softcap
+    assert (counter.head_calls > 0) == (not softcap)
     calls = counter.calls
     python, eager = run_engine(model_dir, dtype, quantization, enforce_eager=True)
     assert eager.llm_engine.executor.local_runner.fast_path is None
     assert counter.calls == calls  # enforce_eager: the modules ran every step
     assert fused == python  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_head_joins_the_last_segment_of_a_model_with_two_kv_groups(
+    model_factory, monkeypatch, dtype
+):
+    """Gemma 3 without a soft cap: its sliding and global layers run in several calls (a
+    KV cache group each); the final norm and the LM head join the last of them, with the
+    modules' results."""
+    counter = FusedCounter(monkeypatch)
+    model_dir = str(model_factory("gemma3", final_logit_softcapping=None))
+    fused, llm = run_engine(model_dir, dtype, None, enforce_eager=False)
+    fast_path = llm.llm_engine.executor.local_runner.fast_path
+    assert fast_path is not None and len(fast_path.segments) > 1
+    assert counter.head_calls > 0
+    python, _ = run_engine(model_dir, dtype, None, enforce_eager=True)
+    assert fused == python
+
+
+def test_tokens_the_op_cannot_look_up_are_looked_up_by_the_module(model_factory, monkeypatch):
+    """An embedding without a form the op runs (a GGUF file's codes by rows on an AVX2 CPU,
+    say): the module looks the tokens up, the layers and the head still run in one call."""
+    from pagedllm.layers.embedding import VocabParallelEmbedding
+
+    monkeypatch.setattr(VocabParallelEmbedding, "fused_lookup", lambda self: None)
+    counter = FusedCounter(monkeypatch)
+    model_dir = str(model_factory("llama"))
+    fused, llm = run_engine(model_dir, "float32", None, enforce_eager=False)
+    fast_path = llm.llm_engine.executor.local_runner.fast_path
+    assert fast_path is not None and len(fast_path.segments) == 1
+    assert fast_path.ends is not None and not fast_path.ends.embeds
+    assert counter.head_calls > 0
+    python, _ = run_engine(model_dir, "float32", None, enforce_eager=True)
+    assert fused == python
 
 
 @pytest.mark.parametrize(("quantization", "bits"), [("int8", {8}), ("int4", {4})])

@@ -17,6 +17,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.hf_config import read_hf_config
 from pagedllm.models.sources import open_source
+from pagedllm.worker.cpu_decoder import CpuFusedDecoder
 
 STRINGS = [
     "What is the capital of France?",
@@ -147,12 +148,23 @@ def test_bf16_decode_matches_transformers_bf16_under_the_top5_criterion(hf_token
     llm = LLM(model=str(smollm2_hf_folder()), dtype="bfloat16", kv_cache_memory_bytes=32 << 20,
               max_model_len=512)  # fmt: skip
     head_rows = []
-    in_panels = llm.llm_engine.model.lm_head.weight_panels is not None
-    module, name = (panel_gemm, "linear") if in_panels else (cpu_fused, "gemv")
-    real = getattr(module, name)
-    monkeypatch.setattr(
-        module, name, lambda x, w, b, **kw: head_rows.append(x.dtype) or real(x, w, b, **kw)
-    )
+    fast_path = llm.llm_engine.executor.local_runner.fast_path
+    if fast_path is not None and fast_path.ends is not None:  # the head in the layers' call
+        weight = fast_path.ends.head[0]
+        assert weight is llm.llm_engine.model.lm_head.weight_panels or weight.dim() == 2
+        real = CpuFusedDecoder.logits
+        monkeypatch.setattr(
+            CpuFusedDecoder,
+            "logits",
+            lambda self, *a: head_rows.append(weight.dtype) or real(self, *a),
+        )
+    else:
+        in_panels = llm.llm_engine.model.lm_head.weight_panels is not None
+        module, name = (panel_gemm, "linear") if in_panels else (cpu_fused, "gemv")
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda x, w, b, **kw: head_rows.append(x.dtype) or real(x, w, b, **kw)
+        )
     matched = _chat_prompts_matched(llm, hf, hf_tokenizer, ("pagedllm bf16", "transformers bf16"))
     assert head_rows and set(head_rows) == {torch.bfloat16}
     assert sum(matched) >= len(CHAT_PROMPTS) * 6, matched

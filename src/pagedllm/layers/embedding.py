@@ -50,6 +50,16 @@ class VocabParallelEmbedding(nn.Module):
         )
         return plain and panel_gemm.packable(self.weight)
 
+    def fused_lookup(self) -> tuple[int, list[torch.Tensor | None], int] | None:
+        """How the fused CPU decoder looks tokens up here (worker/cpu_decoder.py's
+        ModelEnds, csrc/fused_ops.cpp's embedding kinds): (kind, [a, b, c], bits), or None
+        where it cannot (under tensor parallelism, or a class with a lookup of its own)."""
+        if self.comm.world_size != 1 or type(self).lookup is not VocabParallelEmbedding.lookup:
+            return None
+        if self.weight_panels is not None:
+            return 1, [self.weight_panels, None, None], 0
+        return 0, [self.weight, None, None], 0
+
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's slice: [n] local ids -> [n, hidden]."""
         if self.weight_panels is not None:
@@ -77,6 +87,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.cpu_gemv:
             return cpu_fused.float_linear(hidden, self.weight, None)
         return F.linear(hidden, self.weight)
+
+    def fused_operands(self) -> tuple[list[torch.Tensor | None], int] | None:
+        """How the fused CPU decoder computes these logits (worker/cpu_decoder.py): as a
+        decoder layer's linear, ([weight, rowsum, scale, bias], activation level), or None
+        where it cannot (under tensor parallelism, or a float weight that local_logits
+        multiplies with F.linear)."""
+        if self.comm.world_size != 1:
+            return None
+        if self.weight_panels is not None:
+            return [self.weight_panels, None, None, None], 0
+        if self.cpu_gemv:
+            return [self.weight, None, None, None], 0
+        return None
 
     def forward(
         self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None

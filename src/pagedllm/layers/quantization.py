@@ -428,6 +428,11 @@ class Int8ParallelLMHead(ParallelLMHead):
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.quant_kernel(hidden, None)  # [n, local vocab rows]
 
+    def fused_operands(self) -> tuple[list[torch.Tensor | None], int] | None:
+        if self.comm.world_size != 1:
+            return None
+        return self.quant_kernel.fused_operands(None)
+
 
 class Int8VocabParallelEmbedding(VocabParallelEmbedding):
     """Rows are dequantized as they are looked up (an embedding has no matmul)."""
@@ -439,6 +444,11 @@ class Int8VocabParallelEmbedding(VocabParallelEmbedding):
         rows = F.embedding(local_ids, self.weight).float() * self.weight_scale[local_ids, None]
         return rows.to(self.dequant_dtype)
 
+    def fused_lookup(self) -> tuple[int, list[torch.Tensor | None], int] | None:
+        if self.comm.world_size != 1:
+            return None
+        return 3, [self.weight, None, self.weight_scale], 0
+
 
 class PackedVocabParallelEmbedding(VocabParallelEmbedding):
     """A group-quantized embedding (a GGUF file's Q8_0 token embedding): the rows looked up
@@ -449,6 +459,12 @@ class PackedVocabParallelEmbedding(VocabParallelEmbedding):
 
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         return self.packed.dequantize(local_ids).to(self.dequant_dtype)
+
+    def fused_lookup(self) -> tuple[int, list[torch.Tensor | None], int] | None:
+        packed = self.packed
+        if self.comm.world_size != 1 or not packed.panels:
+            return None
+        return 2, [packed.qweight, packed.offset, packed.scale], packed.bits
 
 
 INT8_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

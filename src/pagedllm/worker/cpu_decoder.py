@@ -10,6 +10,7 @@ same kernels in the same order as the modules' ``forward_cpu``, so results are i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,14 +118,77 @@ class Segment:
         self.plan = torch.classes.pagedllm_fused.DecoderPlan(ops.tensors, ops.ints, ops.floats)
 
 
+@dataclass
+class ModelEnds:
+    """A whole model's ends around its decoder layers, for the same C++ call: the token
+    embedding (where the op can look tokens up as the module does), the final norm and the
+    LM head (csrc/fused_ops.cpp's EndsPlan)."""
+
+    norm: torch.Tensor
+    head: list[torch.Tensor | None]  # weight, rowsum, scale, bias, as a layer's linear
+    embedding: list[torch.Tensor | None]  # the table's a, b, c (csrc's embedding kinds)
+    ints: list[int]  # head level, norm kind, vocabulary size, embedding kind (-1: none), bits
+    floats: list[float]  # the norm's eps, the embeddings' scale (0: none)
+    plan: torch.ScriptObject = field(init=False)
+
+    def __post_init__(self) -> None:
+        tensors = [self.norm, *self.head, *self.embedding]
+        self.plan = torch.classes.pagedllm_fused.EndsPlan(tensors, self.ints, self.floats)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the op looks the tokens up itself."""
+        return self.ints[3] >= 0
+
+    @classmethod
+    def build(cls, model: nn.Module, dtype: torch.dtype) -> ModelEnds | None:
+        """The ends of a causal LM whose logits are its LM head's product over the final
+        norm's output, widened to float32 (LlamaForCausalLM.compute_logits without a soft
+        cap); None where another form computes them or the C++ op cannot run its head."""
+        from pagedllm.models.llama import LlamaForCausalLM, LlamaModel
+
+        if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
+            return None
+        if getattr(model, "logit_softcap", None):
+            return None
+        head = getattr(model, "lm_head", None)
+        fused = head.fused_operands() if hasattr(head, "fused_operands") else None
+        if fused is None:
+            return None
+        inner = model.model
+        try:
+            norm = _norm_weight(inner.norm, inner.norm.eps, dtype)
+        except _Unfusable:
+            return None
+        operands, level = fused
+        kind, embedding, bits = -1, [None, None, None], 0
+        table = inner.embed_tokens
+        lookup = getattr(table, "fused_lookup", None)
+        plain = type(inner).get_input_embeddings is LlamaModel.get_input_embeddings
+        plain = plain and getattr(table, "dequant_dtype", dtype) == dtype  # rows in dtype
+        if plain and lookup is not None and (found := lookup()) is not None:
+            kind, embedding, bits = found
+        ints = [level, int(inner.norm.offset), head.vocab_size, kind, bits]
+        floats = [inner.norm.eps, inner.embed_scale or 0.0]
+        return cls(norm, operands, embedding, ints, floats)
+
+
 class CpuFusedDecoder:
     """The decoder layers of one model (one partition tier's), packed for the C++ op.
 
     One C++ call per run of consecutive layers of the same KV cache group (each group has
-    its own block tables and slot mapping): a single call for single-group models."""
+    its own block tables and slot mapping): a single call for single-group models. Given
+    the model's ends (:meth:`with_ends`), the last call also runs the final norm and the LM
+    head, and a single call looks the tokens up too (:meth:`logits`)."""
 
     def __init__(self, segments: list[Segment]) -> None:
         self.segments = segments  # in layer order
+        self.ends: ModelEnds | None = None
+
+    def with_ends(self, ends: ModelEnds | None) -> CpuFusedDecoder:
+        """This decoder with the model's ends (None: without)."""
+        self.ends = ends
+        return self
 
     @property
     def operands(self) -> DecoderOperands:
@@ -177,19 +241,63 @@ class CpuFusedDecoder:
         them (the final norm is the caller's); residual None: the first layer starts it."""
         positions = positions.contiguous()
         for segment in self.segments:
-            md = metadata.for_group(segment.kv_group)
-            hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
-                hidden,
-                residual,
-                positions,
-                segment.plan,
-                md.slot_mapping,
-                md.batch.cu_seqlens_q.contiguous(),
-                md.batch.seq_lens_k.contiguous(),
-                md.block_table,
-            )
+            hidden, residual = self._segment(segment, hidden, residual, positions, metadata)
         assert residual is not None
         return hidden, residual
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: torch.Tensor | None,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the final norm's output, the float32 logits of its `rows`, every row where None)
+        for the tokens: what the embedding (`embed`, the model's), the layers, the final norm
+        and the model's compute_logits give, the ends in the last segment's call (and the
+        embedding in the first's, where that is the same call and the op can look up)."""
+        assert self.ends is not None
+        positions = positions.contiguous()
+        hidden, residual = input_ids, None
+        if len(self.segments) > 1 or not self.ends.embeds:
+            hidden = embed(input_ids)
+        for segment in self.segments[:-1]:
+            hidden, residual = self._segment(segment, hidden, residual, positions, metadata)
+        last = self.segments[-1]
+        md = metadata.for_group(last.kv_group)
+        return torch.ops.pagedllm_fused.decoder_logits(
+            hidden,
+            residual,
+            positions,
+            last.plan,
+            self.ends.plan,
+            md.slot_mapping,
+            md.batch.cu_seqlens_q.contiguous(),
+            md.batch.seq_lens_k.contiguous(),
+            md.block_table,
+            rows,
+        )
+
+    @staticmethod
+    def _segment(
+        segment: Segment,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        md = metadata.for_group(segment.kv_group)
+        return torch.ops.pagedllm_fused.decoder_layers(
+            hidden,
+            residual,
+            positions,
+            segment.plan,
+            md.slot_mapping,
+            md.batch.cu_seqlens_q.contiguous(),
+            md.batch.seq_lens_k.contiguous(),
+            md.block_table,
+        )
 
 
 def run_fused(
@@ -206,3 +314,17 @@ def run_fused(
     hidden = inner.get_input_embeddings(input_ids) if hidden_states is None else hidden_states
     hidden, residual = decoder(hidden, positions, metadata)
     return inner.norm(hidden, residual)[0]
+
+
+def run_fused_logits(
+    model: nn.Module,
+    decoder: CpuFusedDecoder,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    metadata: AttentionMetadata,
+    rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_fused and the model's compute_logits on `rows` of its output (every row where
+    None), with the model's ends in the decoder's C++ calls (the decoder holds them):
+    (hidden [num_tokens, hidden], float32 logits)."""
+    return decoder.logits(input_ids, positions, metadata, rows, model.model.get_input_embeddings)

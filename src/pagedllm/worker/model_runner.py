@@ -36,7 +36,7 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
-from pagedllm.worker.cpu_decoder import CpuFusedDecoder, run_fused
+from pagedllm.worker.cpu_decoder import CpuFusedDecoder, ModelEnds, run_fused, run_fused_logits
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.worker.huge_pages import gather_weights, private_memory
 from pagedllm.worker.pooler import Pooler
@@ -75,6 +75,7 @@ class ModelInput:
     verify_rows: list[int] = field(default_factory=list)  # len(drafts) + 1 logits rows each
     lora_requests: list[Any] | None = None  # each sequence's LoRARequest (None: base; LoRA on)
     logits_all_rows: bool = False  # logits_indices is every token row in order (a decode step)
+    logits: torch.Tensor | None = None  # float32, when the fused decoder computed them (forward)
 
 
 @dataclass
@@ -334,7 +335,7 @@ class ModelRunner:
             return
         if not self.kernels.cpu_fused_decoder:
             return
-        self.fast_path = self._build_cpu_decoder(self.model)
+        self.fast_path = self._build_cpu_decoder(self.model, ends=True)
         if self.speculator is not None and self.speculator.draft is not None:
             self.draft_fast_path = self._build_cpu_decoder(self.speculator.draft.model)
             self.speculator.draft.fast_path = self.draft_fast_path
@@ -413,11 +414,17 @@ class ModelRunner:
                 "(PAGEDLLM_CPU_HUGE_PAGES=0 leaves them)", mib, seconds,
             )  # fmt: skip
 
-    def _build_cpu_decoder(self, model: torch.nn.Module) -> CpuFusedDecoder | None:
+    def _build_cpu_decoder(
+        self, model: torch.nn.Module, ends: bool = False
+    ) -> CpuFusedDecoder | None:
+        """The fused decoder of model's layers; with ends (the runner's own model, every
+        layer of it), also its embedding, final norm and LM head where they can join."""
         layers = model.model.layers
         decoder = CpuFusedDecoder.build(layers, self.dtype)
         if decoder is None:
             logger.info("fused CPU decoder off: %s", CpuFusedDecoder.why_not(layers, self.dtype))
+        elif ends and self.model_config.layer_range is None:
+            decoder.with_ends(ModelEnds.build(model, self.dtype))
         return decoder
 
     def ensure_kv_cache(self, num_blocks: int) -> None:
@@ -581,6 +588,13 @@ class ModelRunner:
                 return hidden
         with ForwardContext(inp.metadata):
             if self.fast_path is not None and not layer_by_layer:
+                if self._logits_in_forward(inp, hidden_states):
+                    rows = None if inp.logits_all_rows else inp.logits_indices
+                    hidden, inp.logits = run_fused_logits(
+                        self.model, self.fast_path, inp.input_ids, inp.positions, inp.metadata,
+                        rows,
+                    )  # fmt: skip
+                    return hidden
                 return run_fused(
                     self.model, self.fast_path, inp.input_ids, inp.positions, inp.metadata,
                     hidden_states,
@@ -588,6 +602,18 @@ class ModelRunner:
             if hidden_states is None:
                 return self.model(inp.input_ids, inp.positions)
             return self.model(inp.input_ids, inp.positions, hidden_states)
+
+    def _logits_in_forward(self, inp: ModelInput, hidden_states: torch.Tensor | None) -> bool:
+        """Whether the fused decoder computes the step's logits too: it holds the model's
+        ends, the step needs logits, and the hidden states are this model's own (no pooler
+        reading them, no previous tier's input)."""
+        assert self.fast_path is not None
+        return (
+            self.fast_path.ends is not None
+            and hidden_states is None
+            and self.pooler is None
+            and inp.logits_indices.numel() > 0
+        )
 
     def prepare_lora(self, inp: ModelInput) -> None:
         """Point the LoRA layers at this step's rows per adapter (loading adapters as needed)."""
@@ -600,8 +626,10 @@ class ModelRunner:
         """Logits where needed, prompt logprobs, the sampled tokens and the next drafts."""
         if inp.logits_indices.numel() == 0:
             return ModelOutput({}, {}, {})
-        rows = hidden if inp.logits_all_rows else hidden[inp.logits_indices]
-        logits = self.model.compute_logits(rows).float()
+        logits = inp.logits
+        if logits is None:
+            rows = hidden if inp.logits_all_rows else hidden[inp.logits_indices]
+            logits = self.model.compute_logits(rows).float()
         out = ModelOutput({}, {}, self._prompt_logprobs(inp, logits))
         if inp.sample_seqs:
             rows = logits

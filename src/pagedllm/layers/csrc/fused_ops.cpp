@@ -866,24 +866,61 @@ struct DecoderPlan : torch::CustomClassHolder {
   }
 
   // Operand i: the tensor, undefined where the layer has none.
-  const at::Tensor& operand(int64_t i) const {
+  const at::Tensor& operand(int64_t i) const { return operand_of(tensors, i); }
+
+  static const at::Tensor& operand_of(const std::vector<c10::optional<at::Tensor>>& t,
+                                      int64_t i) {
     static const at::Tensor none;
-    return tensors[i].has_value() ? *tensors[i] : none;
+    return t[i].has_value() ? *t[i] : none;
   }
+};
+
+// A whole model's ends around its decoder layers (worker/cpu_decoder.py's ModelEnds): the
+// token embedding before them; after them the final norm, then the LM head on the rows that
+// need logits. `tensors`: the norm's weight; the head as a layer's linear (weight, rowsum,
+// scale, bias); the embedding's table (a, b, c below). `ints`: the head's activation level,
+// the norm kind, the vocabulary size (the head's rows past it are padding), the embedding's
+// kind and its bits. `floats`: the norm's eps, the embeddings' scale (0: none).
+// Embedding kinds: 0 rows of a float table a; 1 rows of float panels a; 2 rows of
+// group-quantized codes in panels (a codes, b the int4 offsets or undefined, c the group
+// scales, dequantized in float32); 3 rows of int8 a times their scale c (float32); -1 none
+// here (the caller looks the tokens up). Kinds 2 and 3 end in the model's dtype, as the
+// quantized embeddings' lookup does.
+constexpr int64_t kEndsTensors = 8, kEndsInts = 5, kEndsFloats = 2;
+
+struct EndsPlan : torch::CustomClassHolder {
+  std::vector<c10::optional<at::Tensor>> tensors;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+
+  EndsPlan(const c10::List<c10::optional<at::Tensor>>& t, std::vector<int64_t> i,
+           std::vector<double> f)
+      : ints(std::move(i)), floats(std::move(f)) {
+    for (size_t k = 0; k < t.size(); ++k) tensors.push_back(t.get(k));
+    TORCH_CHECK(int64_t(tensors.size()) == kEndsTensors && int64_t(ints.size()) == kEndsInts &&
+                    int64_t(floats.size()) == kEndsFloats,
+                "EndsPlan: (norm, head weight, rowsum, scale, bias, embedding a, b, c), "
+                "(level, norm kind, vocab, embedding kind, bits), (eps, embedding scale)");
+  }
+
+  const at::Tensor& operand(int64_t i) const { return DecoderPlan::operand_of(tensors, i); }
 };
 
 // x W^T + b as the layer classes compute it: F.linear for a float weight; for an int8 or
 // weight-only one the kernel, cast back to x's dtype, then the bias (Int8Kernel.__call__).
 // decode: every row of x is a sequence's next token (weight_only.linear's "int8_decode").
-at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, int64_t levels,
-                  bool decode) {
-  const at::Tensor& w = plan.operand(first);
-  const at::Tensor& rowsum = plan.operand(first + 1);
-  const at::Tensor& scale = plan.operand(first + 2);
-  const at::Tensor& bias = plan.operand(first + 3);
-  const c10::optional<at::Tensor>& b = plan.tensors[first + 3];
+// The operands are tensors[first, first + 4). out_dtype float32: a product in panels writes
+// its bfloat16 results widened (panel_linear's out_dtype); the others leave that to the caller.
+at::Tensor linear(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& tensors,
+                  int64_t first, int64_t levels, bool decode,
+                  c10::optional<at::ScalarType> out_dtype = c10::nullopt) {
+  const at::Tensor& w = DecoderPlan::operand_of(tensors, first);
+  const at::Tensor& rowsum = DecoderPlan::operand_of(tensors, first + 1);
+  const at::Tensor& scale = DecoderPlan::operand_of(tensors, first + 2);
+  const at::Tensor& bias = DecoderPlan::operand_of(tensors, first + 3);
+  const c10::optional<at::Tensor>& b = tensors[first + 3];
   if (levels < 0) {  // weight-only: rowsum's slot holds the int4 offsets
-    const c10::optional<at::Tensor>& offset = plan.tensors[first + 1];
+    const c10::optional<at::Tensor>& offset = tensors[first + 1];
     const int64_t bits = -levels % kXForms, form = -levels / kXForms;
     at::Tensor y;
     if (w.dim() == 3) {  // codes in panels
@@ -903,7 +940,7 @@ at::Tensor linear(const at::Tensor& x, const DecoderPlan& plan, int64_t first, i
   }
   if (!rowsum.defined()) {
     if (w.dim() == 3)  // in panels
-      return panel_linear_op().call(x, w, b, c10::nullopt, c10::nullopt);
+      return panel_linear_op().call(x, w, b, c10::nullopt, out_dtype);
     if (x.size(0) <= kGemvUseRows && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16))
       return gemv(x, w, b);  // what LinearBase.matmul runs at these rows
@@ -1084,7 +1121,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& value_cache = plan->operand(t0 + 9);
     // attention stage: norm, qkv, q/k norms, rotary, cache write, paged attention, o, norm
     add_rms_norm(hidden, residual, in_w, eps, offset);
-    const at::Tensor qkv = linear(hidden, *plan, t0 + 10, in[6], decode);
+    const at::Tensor qkv = linear(hidden, plan->tensors, t0 + 10, in[6], decode);
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     at::Tensor q = heads_of(qkv, 0, heads, dim), k = heads_of(qkv, q_size, kv_heads, dim);
     const at::Tensor v = heads_of(qkv, q_size + kv_size, kv_heads, dim);
@@ -1111,17 +1148,86 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor attn_out = attn;
     if (convert)
       convert_rows(attn, attn_out = reuse(attn_out_buf, {tokens, heads, dim}, qkv.options()));
-    hidden = linear(attn_out.view({tokens, q_size}), *plan, t0 + 14, in[7], decode);
+    hidden = linear(attn_out.view({tokens, q_size}), plan->tensors, t0 + 14, in[7], decode);
     if (post_attn_w.defined()) hidden = rms_norm(hidden, post_attn_w, eps, offset);
     // MLP stage: norm, gate_up, activation * up, down, norm
     add_rms_norm(hidden, residual, pre_mlp_w, eps, offset);
-    const at::Tensor gate_up = linear(hidden, *plan, t0 + 18, in[8], decode);
+    const at::Tensor gate_up = linear(hidden, plan->tensors, t0 + 18, in[8], decode);
     at::Tensor& act = reuse(act_buf, {tokens, gate_up.size(1) / 2}, gate_up.options());
     gated_into(gate_up, gelu, act, "decoder_layers");
-    hidden = linear(act, *plan, t0 + 22, in[9], decode);
+    hidden = linear(act, plan->tensors, t0 + 22, in[9], decode);
     if (post_mlp_w.defined()) hidden = rms_norm(hidden, post_mlp_w, eps, offset);
   }
   return {hidden, residual};
+}
+
+using RowsFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+using QuantRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&,
+                               const c10::optional<at::Tensor>&, int64_t, const at::Tensor&);
+
+const c10::TypedOperatorHandle<RowsFn>& panel_rows_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_panel::panel_rows", "")
+                             .typed<RowsFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<QuantRowsFn>& quant_panel_rows_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagedllm_panel::quant_panel_rows", "")
+                             .typed<QuantRowsFn>();
+  return op;
+}
+
+// The embeddings of token ids [T] as the model's embedding module gives them (its lookup,
+// then the embeddings' scale, Gemma's), in the model's dtype.
+at::Tensor embed(const at::Tensor& ids, const EndsPlan& ends) {
+  const at::ScalarType dtype = ends.operand(0).scalar_type();
+  const at::Tensor &a = ends.operand(5), &c = ends.operand(7);
+  at::Tensor rows;
+  switch (ends.ints[3]) {
+    case 0: rows = a.index_select(0, ids); break;
+    case 1: rows = panel_rows_op().call(a, ids); break;
+    case 2:
+      rows = quant_panel_rows_op().call(a, c, ends.tensors[6], ends.ints[4], ids).to(dtype);
+      break;
+    case 3:
+      rows = (a.index_select(0, ids).to(at::kFloat) * c.index_select(0, ids).unsqueeze(1))
+                 .to(dtype);
+      break;
+    default: TORCH_CHECK(false, "decoder_logits: these ends look no tokens up");
+  }
+  return ends.floats[1] != 0 ? rows * ends.floats[1] : rows;
+}
+
+// The layers between the model's ends: the embeddings of token ids `input` (int64 [T]; or
+// the embeddings the caller looked up, or the hidden states and residual that earlier calls
+// left after the first layers), the layers,
+// the final norm (in place, as RMSNorm.forward_cpu with a residual), and the logits of
+// `rows` of the normed hidden states (every row where absent) in float32: the values of the
+// head's product in the model's dtype widened, as the model's compute_logits gives them.
+// Returns (normed hidden states, logits). The embedding, the norm and the LM head ran from
+// Python around the layers, each through its module's wrappers: in a one-user decode step,
+// whose weights stream through every cache, that Python ran with its own code and data
+// evicted from them and took about as long as a few layers.
+std::tuple<at::Tensor, at::Tensor> decoder_logits(
+    const at::Tensor& input, const c10::optional<at::Tensor>& residual_in,
+    const at::Tensor& positions, const c10::intrusive_ptr<DecoderPlan>& plan,
+    const c10::intrusive_ptr<EndsPlan>& ends, const at::Tensor& slot_mapping,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_table,
+    const c10::optional<at::Tensor>& rows) {
+  const bool ids = input.scalar_type() == at::kLong;
+  TORCH_CHECK(!ids || !residual_in.has_value(), "decoder_logits: token ids have no residual");
+  auto [hidden, residual] =
+      decoder_layers(ids ? embed(input, *ends) : input, residual_in, positions, plan,
+                     slot_mapping, cu_seqlens_q, seq_lens_k, block_table);
+  const bool decode = hidden.size(0) == cu_seqlens_q.size(0) - 1;
+  add_rms_norm(hidden, residual, ends->operand(0), ends->floats[0], ends->ints[1] == 1);
+  const at::Tensor x = rows.has_value() ? hidden.index_select(0, *rows) : hidden;
+  at::Tensor logits = linear(x, ends->tensors, 1, ends->ints[0], decode, at::kFloat);
+  if (logits.size(1) != ends->ints[2]) logits = logits.narrow(1, 0, ends->ints[2]);
+  if (logits.scalar_type() != at::kFloat) logits = logits.to(at::kFloat);
+  return {hidden, logits};
 }
 
 // The index of each fp32 row's largest value, the first of equal ones (torch.argmax's
@@ -1208,6 +1314,14 @@ TORCH_LIBRARY(pagedllm_fused, m) {
   m.def("decoder_layers(Tensor hidden, Tensor? residual, Tensor positions, "
         "__torch__.torch.classes.pagedllm_fused.DecoderPlan plan, Tensor slot_mapping, "
         "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_table) -> (Tensor, Tensor)");
+  m.class_<EndsPlan>("EndsPlan")
+      .def(torch::init<c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>,
+                       std::vector<double>>());
+  m.def("decoder_logits(Tensor input, Tensor? residual, Tensor positions, "
+        "__torch__.torch.classes.pagedllm_fused.DecoderPlan plan, "
+        "__torch__.torch.classes.pagedllm_fused.EndsPlan ends, Tensor slot_mapping, "
+        "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_table, Tensor? rows) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_fused, CPU, m) {
@@ -1217,6 +1331,7 @@ TORCH_LIBRARY_IMPL(pagedllm_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("decoder_logits", &decoder_logits);
   m.impl("gemv", &gemv);
   m.impl("float_linear", &float_linear);
   m.impl("argmax_rows", &argmax_rows);
