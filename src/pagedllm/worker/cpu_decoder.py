@@ -265,34 +265,31 @@ class CpuFusedDecoder:
         for segment in self.segments[:-1]:
             hidden, residual = self._segment(segment, hidden, residual, positions, metadata)
         last = self.segments[-1]
-        md = metadata.for_group(last.kv_group)
+        batch = self._batch(last, metadata)
         return torch.ops.pagedllm_fused.decoder_logits(
-            hidden,
-            residual,
-            positions,
-            last.plan,
-            self.ends.plan,
-            md.slot_mapping,
-            md.batch.cu_seqlens_q.contiguous(),
-            md.batch.seq_lens_k.contiguous(),
-            md.block_table,
-            rows,
+            hidden, residual, positions, last.plan, self.ends.plan, *batch, rows
         )
 
-    @staticmethod
+    @classmethod
     def _segment(
+        cls,
         segment: Segment,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        md = metadata.for_group(segment.kv_group)
+        batch = cls._batch(segment, metadata)
         return torch.ops.pagedllm_fused.decoder_layers(
-            hidden,
-            residual,
-            positions,
-            segment.plan,
+            hidden, residual, positions, segment.plan, *batch
+        )
+
+    @staticmethod
+    def _batch(segment: Segment, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """The step's batch as the ops take it for segment's KV cache group: slot mapping,
+        query starts, key counts, block tables."""
+        md = metadata.for_group(segment.kv_group)
+        return (
             md.slot_mapping,
             md.batch.cu_seqlens_q.contiguous(),
             md.batch.seq_lens_k.contiguous(),
