@@ -164,9 +164,14 @@ class ModelEnds:
         kind, embedding, bits = -1, [None, None, None], 0
         table = inner.embed_tokens
         lookup = getattr(table, "fused_lookup", None)
-        plain = type(inner).get_input_embeddings is LlamaModel.get_input_embeddings
-        plain = plain and getattr(table, "dequant_dtype", dtype) == dtype  # rows in dtype
-        if plain and lookup is not None and (found := lookup()) is not None:
+        # the op looks tokens up where the model adds nothing to the module's lookup (but
+        # Gemma's scale, which the plan carries) and the rows come out in the model's dtype
+        looks_up = (
+            lookup is not None
+            and type(inner).get_input_embeddings is LlamaModel.get_input_embeddings
+            and getattr(table, "dequant_dtype", dtype) == dtype
+        )
+        if looks_up and (found := lookup()) is not None:
             kind, embedding, bits = found
         ints = [level, int(inner.norm.offset), head.vocab_size, kind, bits]
         floats = [inner.norm.eps, inner.embed_scale or 0.0]
