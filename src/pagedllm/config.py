@@ -123,8 +123,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # the one copy: the scheduler stops sequences here, the engine checks
     enable_chunked_prefill: bool
-    num_lookahead_slots: int = 0  # KV slots past a step's tokens (a draft model's decodes)
+    num_lookahead_slots: int = 0  # KV slots past a step's tokens (drafts, or steps run ahead)
     max_loras: int = 0  # most LoRA adapters among the running sequences (0: LoRA off)
+    num_scheduler_steps: int = 1  # decode steps a greedy batch may run per schedule
 
 
 @dataclass(frozen=True)
@@ -335,6 +336,13 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(
         True, "split long prompts into chunks that share steps with decode"
     )
+    num_scheduler_steps: int = _arg(
+        1,
+        "decode steps run per schedule where every sequence of the batch decodes greedily "
+        "(no logprobs, penalties or grammar) on the CPU's fused decoder: the host's work of a "
+        "step paid once for up to this many tokens; streams then get tokens in bursts and "
+        "new requests wait for a burst to end (default 1: a schedule a token)",
+    )
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel workers")
     enforce_eager: bool = _arg(False, "never capture CUDA graphs (run every step eagerly)")
     quantization: str | None = _arg(
@@ -465,6 +473,7 @@ class EngineArgs:
             kv_bytes = envs.PAGEDLLM_CPU_KVCACHE_SPACE_BYTES()
         speculative = self._speculative_config(hf_config)
         lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
+        lookahead = max(lookahead, self.num_scheduler_steps - 1)
         return EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -490,6 +499,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 num_lookahead_slots=lookahead,
                 max_loras=self.max_loras if self.enable_lora else 0,
+                num_scheduler_steps=self.num_scheduler_steps,
             ),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,
@@ -550,13 +560,17 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got "
                 f"{self.kv_cache_dtype!r}{fp8}."
             )
-        positive = ("block_size", "max_num_seqs", "tensor_parallel_size", "nnodes")
+        positive = (
+            "block_size", "max_num_seqs", "tensor_parallel_size", "nnodes", "num_scheduler_steps"
+        )  # fmt: skip
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         self._verify_parallel()
         self._verify_lora()
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ValueError("num_scheduler_steps > 1 is not supported with speculative_config.")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -36,6 +36,36 @@ class DecoderOperands:
     floats: list[float] = field(default_factory=list)
 
 
+@dataclass
+class DecodeSteps:
+    """The batch of `count` decode steps of one token a sequence, as the op takes each step:
+    row i of positions, slot_mapping and seq_lens is step i's; the query starts and block
+    tables stay (every slot the steps write is in the tables already)."""
+
+    count: int
+    positions: torch.Tensor  # [count, sequences] int64
+    slot_mapping: torch.Tensor  # [count, sequences] int64
+    seq_lens: torch.Tensor  # [count, sequences] int32: keys after each step's token
+    cu_seqlens_q: torch.Tensor  # [sequences + 1] int32: 0, 1, 2, ...
+    block_table: torch.Tensor  # [sequences, blocks] int32
+
+    @classmethod
+    def ahead(
+        cls,
+        first: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        block_size: int,
+        count: int,
+    ) -> DecodeSteps:
+        """From the first step's positions (one a sequence) on."""
+        positions = first[None, :] + torch.arange(count)[:, None]
+        blocks = block_table.long().gather(1, (positions // block_size).T).T
+        slots = (blocks * block_size + positions % block_size).contiguous()
+        seq_lens = (positions + 1).to(torch.int32)
+        return cls(count, positions, slots, seq_lens, cu_seqlens_q.contiguous(), block_table)
+
+
 def _norm_weight(norm: RMSNorm | None, spec_eps: float, dtype: torch.dtype) -> torch.Tensor | None:
     """A norm's weight; None for an absent norm. Raises _Unfusable for one the op cannot run."""
     if norm is None:
@@ -274,6 +304,36 @@ class CpuFusedDecoder:
         return torch.ops.pagedllm_fused.decoder_logits(
             hidden, residual, positions, last.plan, self.ends.plan, *batch, rows
         )
+
+    @property
+    def decodes_ahead(self) -> bool:
+        """Whether :meth:`decode_greedy` can run: the ends joined, one KV cache group."""
+        return self.ends is not None and len(self.segments) == 1
+
+    def decode_greedy(
+        self,
+        input_ids: torch.Tensor,
+        steps: DecodeSteps,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        argmax: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Greedy decode steps of one token a sequence, each step's picks the next one's
+        input, with no Python between them but the calls: [steps, sequences] token ids.
+        Each step is :meth:`logits` then `argmax` over the rows, as a step of its own
+        computes them."""
+        assert self.decodes_ahead and self.ends is not None
+        plan, ends = self.segments[0].plan, self.ends
+        tokens = []
+        ids = input_ids
+        for i in range(steps.count):
+            hidden = ids if ends.embeds else embed(ids)
+            _, logits = torch.ops.pagedllm_fused.decoder_logits(
+                hidden, None, steps.positions[i], plan, ends.plan, steps.slot_mapping[i],
+                steps.cu_seqlens_q, steps.seq_lens[i], steps.block_table, None
+            )  # fmt: skip
+            ids = argmax(logits)
+            tokens.append(ids)
+        return torch.stack(tokens)
 
     @classmethod
     def _segment(

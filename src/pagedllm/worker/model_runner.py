@@ -36,7 +36,13 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
-from pagedllm.worker.cpu_decoder import CpuFusedDecoder, ModelEnds, run_fused, run_fused_logits
+from pagedllm.worker.cpu_decoder import (
+    CpuFusedDecoder,
+    DecodeSteps,
+    ModelEnds,
+    run_fused,
+    run_fused_logits,
+)
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.worker.huge_pages import gather_weights, private_memory
 from pagedllm.worker.pooler import Pooler
@@ -148,6 +154,8 @@ class ModelRunner:
         self.draft_fast_path: CpuFusedDecoder | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
         self._profiling = False  # the CUDA memory profile's throwaway cache: no graphs
+        # schedules whose batch ran several greedy decode steps (_decode_ahead), and the steps
+        self.num_decode_bursts = self.num_burst_steps = 0
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, comm: Communicator = SINGLE) -> ModelRunner:
@@ -563,12 +571,57 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.release(out.finished_seq_ids)
         inp = self.prepare_input(out)
+        steps = self._steps_ahead(out)
+        if steps > 1:
+            return self._decode_ahead(inp, steps)
         hidden = self.forward(inp)
         if self.pooler is not None:
             self.pooler.observe(out, hidden)
         if self.speculator is not None:
             self.speculator.catch_up(inp)
         return self.compute_output(inp, hidden)
+
+    def _steps_ahead(self, out: SchedulerOutput) -> int:
+        """How many decode steps this schedule's batch runs (num_scheduler_steps): more than
+        one where every sequence decodes one token greedily (Sampler.takes_argmax) on the fused
+        decoder with the model's ends, as many as every sequence's blocks hold slots for and
+        none passes its max_tokens or max_model_len (a stop token may still end one early:
+        the scheduler drops the tokens after it, as after a rejected draft)."""
+        steps = self.scheduler_config.num_scheduler_steps
+        decoder = self.fast_path
+        if steps == 1 or decoder is None or not decoder.decodes_ahead:
+            return 1
+        if self.pooler is not None or self.speculator is not None or out.grammar is not None:
+            return 1
+        bs, longest = self.block_size, self.scheduler_config.max_model_len
+        for item in out.scheduled:
+            seq = item.seq
+            if item.num_new_tokens != 1 or item.spec_token_ids or not item.samples:
+                return 1
+            if not Sampler.takes_argmax(seq):
+                return 1
+            slots = len(seq.block_table) * bs - seq.num_computed_tokens
+            steps = min(steps, slots, longest - seq.num_tokens)
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                steps = min(steps, max_tokens - seq.num_output_tokens)
+        return steps
+
+    def _decode_ahead(self, inp: ModelInput, count: int) -> ModelOutput:
+        """`count` greedy decode steps of the batch in one go (_steps_ahead): each sequence's
+        `count` tokens, as `count` schedules of one step would have sampled them."""
+        assert self.fast_path is not None
+        md = inp.metadata
+        steps = DecodeSteps.ahead(
+            inp.positions, md.block_table, md.batch.cu_seqlens_q, self.block_size, count
+        )
+        tokens = self.fast_path.decode_greedy(
+            inp.input_ids, steps, self.model.model.get_input_embeddings, self.sampler.argmax
+        )
+        self.num_decode_bursts += 1
+        self.num_burst_steps += count
+        sampled = {seq.seq_id: column for seq, column in zip(inp.sample_seqs, tokens.T.tolist())}
+        return ModelOutput(sampled, {}, {})
 
     @torch.inference_mode()
     def forward(

@@ -7,6 +7,7 @@ samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,6 +116,27 @@ class Sampler:
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+
+    @property
+    def argmax(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The greedy pick over rows of float32 logits, as __call__ makes it."""
+        return self._argmax
+
+    @staticmethod
+    def takes_argmax(seq: Sequence) -> bool:
+        """Whether seq's next token is the argmax of its raw logits, whatever its batch (greedy,
+        no logprobs, no penalty, min_tokens reached, no grammar): what a step that decodes
+        several tokens without the sampler may compute (ModelRunner.execute)."""
+        p = seq.sampling_params
+        return (
+            p.temperature == 0.0
+            and p.logprobs is None
+            and p.repetition_penalty == 1.0
+            and not p.frequency_penalty
+            and not p.presence_penalty
+            and seq.num_output_tokens >= p.min_tokens
+            and p.structured_outputs is None
+        )
 
     def generator_for(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
