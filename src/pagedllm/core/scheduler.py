@@ -12,6 +12,12 @@ scheduled for 1 + k tokens, its own last token and the drafts, within the same b
 block allocation. After the step only the accepted drafts keep their KV: ``num_computed_tokens``
 moves back to them and the blocks past them are freed (see ``update``).
 
+Lookahead slots (``num_lookahead_slots``: a draft model's own decodes, or the decode steps a
+schedule runs with ``num_scheduler_steps``): a sampling sequence also gets blocks for that many
+slots past its step, from free blocks only (no sequence is preempted for them); the runner
+uses what it got, and ``update`` takes the several tokens such a step returns as it takes
+accepted drafts.
+
 Prompts that share a prefix nobody has computed yet (requests behind one system prompt,
 arriving together): a waiting sequence whose first block missing from the prefix cache is one
 that a running prefill is computing waits for it, skipped in the queue like an ``n > 1``
@@ -316,8 +322,8 @@ class Scheduler:
         spec_token_ids: dict[int, list[int]] | None = None,
     ) -> list[Sequence]:
         """Advance the scheduled sequences and append their new tokens (seq_id -> the step's
-        tokens: one, or the accepted drafts and one more); store the drafts proposed for the
-        next step (seq_id -> draft tokens).
+        tokens: one, the accepted drafts and one more, or a burst's); store the drafts
+        proposed for the next step (seq_id -> draft tokens).
 
         Returns the sequences that got new tokens; those that hit a token-level stop
         condition are finished and their blocks released.

@@ -86,7 +86,7 @@ class ModelInput:
 
 @dataclass
 class ModelOutput:
-    sampled: dict[int, list[int]]  # seq_id -> new tokens (with drafts: accepted ones + 1)
+    sampled: dict[int, list[int]]  # seq_id -> new tokens (drafts: accepted + 1; a burst: its steps)
     logprobs: dict[int, TokenLogprobs]  # seq_id -> logprobs of the new token
     prompt_logprobs: dict[int, list[TokenLogprobs | None]]  # seq_id -> this chunk's positions
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # next step's drafts
