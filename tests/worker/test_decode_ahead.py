@@ -3,7 +3,9 @@ steps per schedule on the fused CPU decoder (ModelRunner._decode_ahead), and giv
 that one step a schedule gives: through bursts cut short by max_tokens, a stop token inside a
 burst, a KV cache too small for the steps ahead, quantized layers and a sliding window. A
 batch the sampler has more to do for (temperature, logprobs, penalties) steps one token a
-schedule, as does a model the decoder runs in several calls."""
+schedule, as does a model whose logits the decoder's call does not give (a soft-capped
+head). A model of several KV cache groups (Gemma 3) runs each group's layers over its own
+blocks."""
 
 from __future__ import annotations
 
@@ -138,12 +140,30 @@ def test_a_batch_the_sampler_must_see_steps_one_token_a_schedule(model_factory, 
     assert bursts(llm)[0] > 0
 
 
-def test_a_model_of_two_kv_groups_steps_one_token_a_schedule(model_factory):
-    """Gemma 3's sliding and global layers run in a call each: no bursts, the same tokens."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bursts_run_each_kv_group_over_its_own_blocks(model_factory, dtype):
+    """Gemma 3 without a soft cap: its sliding (window 8, shorter than the outputs) and global
+    layers run in a call each over their group's block tables, step after step."""
     model_dir = str(model_factory("gemma3", final_logit_softcapping=None))
+    prompts = random_prompts(3, 10, 20, seed=4)
+    max_tokens = [14, 21, 9]
+    expected = generate(engine(model_dir, 1, dtype=dtype), prompts, max_tokens)
+    llm = engine(model_dir, 6, dtype=dtype)
+    fast_path = llm.llm_engine.executor.local_runner.fast_path
+    assert fast_path is not None and len(fast_path.segments) > 1
+    assert generate(llm, prompts, max_tokens) == expected
+    count, steps = bursts(llm)
+    assert count > 0 and steps > count
+
+
+def test_a_soft_capped_head_steps_one_token_a_schedule(model_factory):
+    """The tiny Gemma 3's head is soft-capped: its logits come from Python after the layers'
+    call, so the decoder cannot pick the next tokens itself."""
+    model_dir = str(model_factory("gemma3"))
     prompts = random_prompts(2, 10, 20, seed=4)
     expected = generate(engine(model_dir, 1), prompts, [10, 10])
     llm = engine(model_dir, 4)
+    assert llm.llm_engine.model.logit_softcap
     assert generate(llm, prompts, [10, 10]) == expected
     assert bursts(llm) == (0, 0)
 

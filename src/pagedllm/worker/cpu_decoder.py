@@ -38,32 +38,36 @@ class DecoderOperands:
 
 @dataclass
 class DecodeSteps:
-    """The batch of `count` decode steps of one token a sequence, as the op takes each step:
-    row i of positions, slot_mapping and seq_lens is step i's; the query starts and block
-    tables stay (every slot the steps write is in the tables already)."""
+    """The batch of `count` decode steps of one token a sequence, as the ops take each step:
+    row i of positions, seq_lens and each KV cache group's slot mapping is step i's; the
+    query starts and block tables stay (every slot the steps write is in the tables already).
+    Lists by KV cache group: one entry for a model without groups."""
 
     count: int
     positions: torch.Tensor  # [count, sequences] int64
-    slot_mapping: torch.Tensor  # [count, sequences] int64
     seq_lens: torch.Tensor  # [count, sequences] int32: keys after each step's token
     cu_seqlens_q: torch.Tensor  # [sequences + 1] int32: 0, 1, 2, ...
-    block_table: torch.Tensor  # [sequences, blocks] int32
+    slot_mappings: list[torch.Tensor]  # per group: [count, sequences] int64
+    block_tables: list[torch.Tensor]  # per group: [sequences, blocks] int32
 
     @classmethod
     def ahead(
         cls,
         first: torch.Tensor,
-        block_table: torch.Tensor,
+        block_tables: list[torch.Tensor],
         cu_seqlens_q: torch.Tensor,
         block_size: int,
         count: int,
     ) -> DecodeSteps:
-        """From the first step's positions (one a sequence) on."""
+        """From the first step's positions (one a sequence) on, over each group's tables."""
         positions = first[None, :] + torch.arange(count)[:, None]
-        blocks = block_table.long().gather(1, (positions // block_size).T).T
-        slots = (blocks * block_size + positions % block_size).contiguous()
+        offsets, index = positions % block_size, (positions // block_size).T
+        slots = [
+            (table.long().gather(1, index).T * block_size + offsets).contiguous()
+            for table in block_tables
+        ]
         seq_lens = (positions + 1).to(torch.int32)
-        return cls(count, positions, slots, seq_lens, cu_seqlens_q.contiguous(), block_table)
+        return cls(count, positions, seq_lens, cu_seqlens_q.contiguous(), slots, block_tables)
 
 
 def _norm_weight(norm: RMSNorm | None, spec_eps: float, dtype: torch.dtype) -> torch.Tensor | None:
@@ -305,11 +309,6 @@ class CpuFusedDecoder:
             hidden, residual, positions, last.plan, self.ends.plan, *batch, rows
         )
 
-    @property
-    def decodes_ahead(self) -> bool:
-        """Whether :meth:`decode_greedy` can run: the ends joined, one KV cache group."""
-        return self.ends is not None and len(self.segments) == 1
-
     def decode_greedy(
         self,
         input_ids: torch.Tensor,
@@ -320,16 +319,25 @@ class CpuFusedDecoder:
         """Greedy decode steps of one token a sequence, each step's picks the next one's
         input, with no Python between them but the calls: [steps, sequences] token ids.
         Each step is :meth:`logits` then `argmax` over the rows, as a step of its own
-        computes them."""
-        assert self.decodes_ahead and self.ends is not None
-        plan, ends = self.segments[0].plan, self.ends
+        computes them. The decoder must hold the model's ends."""
+        assert self.ends is not None
+        ends, last = self.ends, self.segments[-1]
+        looks_up = len(self.segments) == 1 and ends.embeds
         tokens = []
         ids = input_ids
         for i in range(steps.count):
-            hidden = ids if ends.embeds else embed(ids)
+            positions, seq_lens = steps.positions[i], steps.seq_lens[i]
+            hidden, residual = (ids if looks_up else embed(ids)), None
+            for segment in self.segments[:-1]:
+                g = segment.kv_group
+                hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
+                    hidden, residual, positions, segment.plan, steps.slot_mappings[g][i],
+                    steps.cu_seqlens_q, seq_lens, steps.block_tables[g]
+                )  # fmt: skip
+            g = last.kv_group
             _, logits = torch.ops.pagedllm_fused.decoder_logits(
-                hidden, None, steps.positions[i], plan, ends.plan, steps.slot_mapping[i],
-                steps.cu_seqlens_q, steps.seq_lens[i], steps.block_table, None
+                hidden, residual, positions, last.plan, ends.plan, steps.slot_mappings[g][i],
+                steps.cu_seqlens_q, seq_lens, steps.block_tables[g], None
             )  # fmt: skip
             ids = argmax(logits)
             tokens.append(ids)

@@ -589,7 +589,7 @@ class ModelRunner:
         the scheduler drops the tokens after it, as after a rejected draft)."""
         steps = self.scheduler_config.num_scheduler_steps
         decoder = self.fast_path
-        if steps == 1 or decoder is None or not decoder.decodes_ahead:
+        if steps == 1 or decoder is None or decoder.ends is None:
             return 1
         if self.pooler is not None or self.speculator is not None or out.grammar is not None:
             return 1
@@ -612,8 +612,9 @@ class ModelRunner:
         `count` tokens, as `count` schedules of one step would have sampled them."""
         assert self.fast_path is not None
         md = inp.metadata
+        tables = [md.for_group(g).block_table for g in range(1 + len(md.groups))]
         steps = DecodeSteps.ahead(
-            inp.positions, md.block_table, md.batch.cu_seqlens_q, self.block_size, count
+            inp.positions, tables, md.batch.cu_seqlens_q, self.block_size, count
         )
         tokens = self.fast_path.decode_greedy(
             inp.input_ids, steps, self.model.model.get_input_embeddings, self.sampler.argmax
