@@ -10,11 +10,13 @@ blocks."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.ci import unavailable
 from helpers.generation import greedy, random_prompts
 
 from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.layers import cpu_fused
+from pagedllm.worker.cpu_decoder import DecodeSteps
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +94,55 @@ def test_a_stop_token_inside_a_burst_ends_the_output_there(model_factory):
     # cached blocks again decodes as before
     assert single.llm_engine.block_manager.num_free_blocks == free
     assert greedy(several, [prompt], 24) == [tokens]
+
+
+def test_a_batch_loses_a_stopped_sequence_where_one_step_a_schedule_does(model_factory):
+    """A burst ends after the step that picks a row's stop token, so the other rows go on
+    in the batch one step a schedule would have: their tokens are the same too."""
+    model_dir = str(model_factory("llama"))
+    prompts = random_prompts(3, 8, 16, seed=9)
+    single = engine(model_dir, 1)
+    free = generate(single, prompts, [20] * 3)
+    stop = free[1][4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=ids)
+        for ids in ([], [stop], [])
+    ]
+    outputs = {}
+    for steps in (1, 8):
+        llm = engine(model_dir, steps)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[steps] = [o.outputs[0].token_ids for o in outs]
+        llm.llm_engine.check_integrity()
+        if steps == 8:
+            assert bursts(llm)[0] > 0
+    assert outputs[8] == outputs[1]
+    assert outputs[8][1] == free[1][: free[1].index(stop) + 1]
+
+
+def test_decode_greedy_ends_after_the_step_that_picks_a_stop_token(model_factory):
+    llm = engine(str(model_factory("llama")), 8)
+    runner = llm.llm_engine.executor.local_runner
+    decoder = runner.fast_path
+    assert decoder is not None
+    block_size, last = 4, runner.num_blocks - 1
+    tables = [torch.tensor([[last - 1], [last]], dtype=torch.int32)]  # a block each: 4 steps
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ids = torch.tensor([11, 12])
+    embed = llm.llm_engine.model.model.get_input_embeddings
+
+    def run(stops: torch.Tensor | None) -> torch.Tensor:
+        steps = DecodeSteps.ahead(torch.tensor([0, 0]), tables, cu_q, block_size, 4)
+        return decoder.decode_greedy(ids, steps, embed, runner.sampler.argmax, stops)
+
+    free = run(None)
+    assert free.shape == (4, 2)
+    stops = torch.tensor([[-1, -1], [int(free[1, 1]), 7]])  # row 1 stops at step 1
+    stopped = run(stops)
+    assert torch.equal(stopped, free[: stopped.shape[0]])
+    # row 1's stop tokens: the steps end after the first that picks one of them
+    first = 0 if int(free[0, 1]) in (int(free[1, 1]), 7) else 1
+    assert stopped.shape[0] == first + 1
 
 
 def test_a_cache_too_small_for_the_steps_ahead_runs_what_the_blocks_hold(model_factory):

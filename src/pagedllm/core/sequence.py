@@ -124,6 +124,15 @@ class Sequence:
             del self.output_token_ids[-num_tokens:]
             del self.token_ids[-num_tokens:]
 
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end this sequence once min_tokens is reached (check_stop): its
+        stop_token_ids, and EOS unless ignore_eos."""
+        params = self.sampling_params
+        stops = list(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stops.append(self.eos_token_id)
+        return stops
+
     def check_stop(self, max_model_len: int) -> SequenceStatus | None:
         """Token-level stop conditions after a new token (stop strings are the engine's)."""
         params = self.sampling_params

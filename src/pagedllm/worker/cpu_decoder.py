@@ -315,11 +315,14 @@ class CpuFusedDecoder:
         steps: DecodeSteps,
         embed: Callable[[torch.Tensor], torch.Tensor],
         argmax: Callable[[torch.Tensor], torch.Tensor],
+        stops: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy decode steps of one token a sequence, each step's picks the next one's
-        input, with no Python between them but the calls: [steps, sequences] token ids.
+        input, with no Python between them but the calls: [steps run, sequences] token ids.
         Each step is :meth:`logits` then `argmax` over the rows, as a step of its own
-        computes them. The decoder must hold the model's ends."""
+        computes them. The decoder must hold the model's ends. stops ([sequences, k], padded
+        with -1): the steps end after the first that picks one of its row's tokens there, so
+        that the batch loses that sequence where one step a schedule would."""
         assert self.ends is not None
         ends, last = self.ends, self.segments[-1]
         looks_up = len(self.segments) == 1 and ends.embeds
@@ -341,6 +344,8 @@ class CpuFusedDecoder:
             )  # fmt: skip
             ids = argmax(logits)
             tokens.append(ids)
+            if stops is not None and bool((ids[:, None] == stops).any()):
+                break
         return torch.stack(tokens)
 
     @classmethod

@@ -585,8 +585,8 @@ class ModelRunner:
         """How many decode steps this schedule's batch runs (num_scheduler_steps): more than
         one where every sequence decodes one token greedily (Sampler.takes_argmax) on the fused
         decoder with the model's ends, as many as every sequence's blocks hold slots for and
-        none passes its max_tokens or max_model_len (a stop token may still end one early:
-        the scheduler drops the tokens after it, as after a rejected draft)."""
+        none passes its max_tokens or max_model_len (a stop token ends them early:
+        _decode_ahead)."""
         steps = self.scheduler_config.num_scheduler_steps
         decoder = self.fast_path
         if steps == 1 or decoder is None or decoder.ends is None:
@@ -608,19 +608,27 @@ class ModelRunner:
         return steps
 
     def _decode_ahead(self, inp: ModelInput, count: int) -> ModelOutput:
-        """`count` greedy decode steps of the batch in one go (_steps_ahead): each sequence's
-        `count` tokens, as `count` schedules of one step would have sampled them."""
+        """Up to `count` greedy decode steps of the batch in one go (_steps_ahead): each
+        sequence's tokens, as as many schedules of one step would have sampled them. The steps
+        end early after one that picks a sequence's stop token (EOS, stop_token_ids), where
+        the next schedule drops that sequence."""
         assert self.fast_path is not None
         md = inp.metadata
         tables = [md.for_group(g).block_table for g in range(1 + len(md.groups))]
         steps = DecodeSteps.ahead(
             inp.positions, tables, md.batch.cu_seqlens_q, self.block_size, count
         )
+        stops = [seq.stop_token_ids() for seq in inp.sample_seqs]
+        width = max(map(len, stops))
+        stop_ids = None
+        if width:
+            stop_ids = torch.tensor([row + [-1] * (width - len(row)) for row in stops])
         tokens = self.fast_path.decode_greedy(
-            inp.input_ids, steps, self.model.model.get_input_embeddings, self.sampler.argmax
-        )
+            inp.input_ids, steps, self.model.model.get_input_embeddings, self.sampler.argmax,
+            stop_ids,
+        )  # fmt: skip
         self.num_decode_bursts += 1
-        self.num_burst_steps += count
+        self.num_burst_steps += tokens.shape[0]
         sampled = {seq.seq_id: column for seq, column in zip(inp.sample_seqs, tokens.T.tolist())}
         return ModelOutput(sampled, {}, {})
 
