@@ -176,6 +176,24 @@ def test_chat_answers_the_capital_of_france(llm):
     assert "Paris" in out[0].outputs[0].text
 
 
+def test_bursts_of_decode_steps_give_the_chat_answers_of_one_step_a_schedule(llm, gguf_path):
+    """num_scheduler_steps=8 on the real file: the three chat answers, ended by the model's
+    EOS or max_tokens, are the tokens one step a schedule gives, and bursts ran."""
+    bursts = LLM(
+        model=str(gguf_path), kv_cache_memory_bytes=64 << 20, max_model_len=512,
+        num_scheduler_steps=8,
+    )  # fmt: skip
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    expected = [o.outputs[0] for o in llm.chat(conversations, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in bursts.chat(conversations, params, use_tqdm=False)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    assert {o.finish_reason for o in got} == {"stop", "length"}  # EOS inside the batch's bursts
+    assert "Paris" in got[0].text
+    assert bursts.llm_engine.executor.local_runner.num_decode_bursts > 0
+
+
 def test_converted_folder_loads_and_decodes_like_the_gguf(llm, hf_tokenizer):
     """The transformers folder made from the file holds the same fp32 weights: the engine
     decodes it exactly as it decodes the GGUF."""
