@@ -804,25 +804,25 @@ using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&
                          int64_t);
 
 // The int8, weight-only and panel GEMMs and the attention kernel live in their own libraries
-// (loaded before this op is called); they are reached through the dispatcher, looked up once.
+// (loaded before this op is called); they are reached through the dispatcher, looked up once
+// (each accessor keeps its handle in a function-local static).
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
 const c10::TypedOperatorHandle<Int8LinearFn>& int8_linear_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_int8::int8_linear", "")
-                             .typed<Int8LinearFn>();
+  static const auto op = typed_op<Int8LinearFn>("pagedllm_int8::int8_linear");
   return op;
 }
 
 const c10::TypedOperatorHandle<WeightOnlyLinearFn>& weight_only_linear_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_wo::weight_only_linear", "")
-                             .typed<WeightOnlyLinearFn>();
+  static const auto op = typed_op<WeightOnlyLinearFn>("pagedllm_wo::weight_only_linear");
   return op;
 }
 
 const c10::TypedOperatorHandle<PanelLinearFn>& panel_linear_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_panel::panel_linear", "")
-                             .typed<PanelLinearFn>();
+  static const auto op = typed_op<PanelLinearFn>("pagedllm_panel::panel_linear");
   return op;
 }
 
@@ -831,16 +831,12 @@ const c10::TypedOperatorHandle<PanelLinearFn>& panel_linear_op() {
 constexpr int64_t kXForms = 64;
 
 const c10::TypedOperatorHandle<WeightOnlyLinearFn>& quant_panel_linear_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_panel::quant_panel_linear", "")
-                             .typed<WeightOnlyLinearFn>();
+  static const auto op = typed_op<WeightOnlyLinearFn>("pagedllm_panel::quant_panel_linear");
   return op;
 }
 
 const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_attention::varlen_attention", "")
-                             .typed<AttentionFn>();
+  static const auto op = typed_op<AttentionFn>("pagedllm_attention::varlen_attention");
   return op;
 }
 
@@ -1166,16 +1162,12 @@ using QuantRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&,
                                const c10::optional<at::Tensor>&, int64_t, const at::Tensor&);
 
 const c10::TypedOperatorHandle<RowsFn>& panel_rows_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_panel::panel_rows", "")
-                             .typed<RowsFn>();
+  static const auto op = typed_op<RowsFn>("pagedllm_panel::panel_rows");
   return op;
 }
 
 const c10::TypedOperatorHandle<QuantRowsFn>& quant_panel_rows_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedllm_panel::quant_panel_rows", "")
-                             .typed<QuantRowsFn>();
+  static const auto op = typed_op<QuantRowsFn>("pagedllm_panel::quant_panel_rows");
   return op;
 }
 
