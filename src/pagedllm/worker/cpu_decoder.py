@@ -69,6 +69,14 @@ class DecodeSteps:
         seq_lens = (positions + 1).to(torch.int32)
         return cls(count, positions, seq_lens, cu_seqlens_q.contiguous(), slots, block_tables)
 
+    def batch(self, i: int, group: int) -> tuple[torch.Tensor, ...]:
+        """Step i's batch for KV cache group `group`, as CpuFusedDecoder._batch gives a
+        step's: slot mapping, query starts, key counts, block tables."""
+        return (
+            self.slot_mappings[group][i], self.cu_seqlens_q, self.seq_lens[i],
+            self.block_tables[group],
+        )  # fmt: skip
+
 
 def _norm_weight(norm: RMSNorm | None, spec_eps: float, dtype: torch.dtype) -> torch.Tensor | None:
     """A norm's weight; None for an absent norm. Raises _Unfusable for one the op cannot run."""
@@ -280,7 +288,9 @@ class CpuFusedDecoder:
         them (the final norm is the caller's); residual None: the first layer starts it."""
         positions = positions.contiguous()
         for segment in self.segments:
-            hidden, residual = self._segment(segment, hidden, residual, positions, metadata)
+            hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
+                hidden, residual, positions, segment.plan, *self._batch(segment, metadata)
+            )
         assert residual is not None
         return hidden, residual
 
@@ -296,18 +306,8 @@ class CpuFusedDecoder:
         for the tokens: what the embedding (`embed`, the model's), the layers, the final norm
         and the model's compute_logits give, the ends in the last segment's call (and the
         embedding in the first's, where that is the same call and the op can look up)."""
-        assert self.ends is not None
-        positions = positions.contiguous()
-        hidden, residual = input_ids, None
-        if len(self.segments) > 1 or not self.ends.embeds:
-            hidden = embed(input_ids)
-        for segment in self.segments[:-1]:
-            hidden, residual = self._segment(segment, hidden, residual, positions, metadata)
-        last = self.segments[-1]
-        batch = self._batch(last, metadata)
-        return torch.ops.pagedllm_fused.decoder_logits(
-            hidden, residual, positions, last.plan, self.ends.plan, *batch, rows
-        )
+        batches = [self._batch(segment, metadata) for segment in self.segments]
+        return self._logits(input_ids, positions.contiguous(), batches, rows, embed)
 
     def decode_greedy(
         self,
@@ -323,43 +323,36 @@ class CpuFusedDecoder:
         computes them. The decoder must hold the model's ends. stops ([sequences, k], padded
         with -1): the steps end after the first that picks one of its row's tokens there, so
         that the batch loses that sequence where one step a schedule would."""
-        assert self.ends is not None
-        ends, last = self.ends, self.segments[-1]
-        looks_up = len(self.segments) == 1 and ends.embeds
         tokens = []
         ids = input_ids
         for i in range(steps.count):
-            positions, seq_lens = steps.positions[i], steps.seq_lens[i]
-            hidden, residual = (ids if looks_up else embed(ids)), None
-            for segment in self.segments[:-1]:
-                g = segment.kv_group
-                hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
-                    hidden, residual, positions, segment.plan, steps.slot_mappings[g][i],
-                    steps.cu_seqlens_q, seq_lens, steps.block_tables[g]
-                )  # fmt: skip
-            g = last.kv_group
-            _, logits = torch.ops.pagedllm_fused.decoder_logits(
-                hidden, residual, positions, last.plan, ends.plan, steps.slot_mappings[g][i],
-                steps.cu_seqlens_q, seq_lens, steps.block_tables[g], None
-            )  # fmt: skip
+            batches = [steps.batch(i, segment.kv_group) for segment in self.segments]
+            _, logits = self._logits(ids, steps.positions[i], batches, None, embed)
             ids = argmax(logits)
             tokens.append(ids)
             if stops is not None and bool((ids[:, None] == stops).any()):
                 break
         return torch.stack(tokens)
 
-    @classmethod
-    def _segment(
-        cls,
-        segment: Segment,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+    def _logits(
+        self,
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
-        metadata: AttentionMetadata,
+        batches: list[tuple[torch.Tensor, ...]],
+        rows: torch.Tensor | None,
+        embed: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = cls._batch(segment, metadata)
-        return torch.ops.pagedllm_fused.decoder_layers(
-            hidden, residual, positions, segment.plan, *batch
+        """logits() over each segment's batch as the ops take it (_batch)."""
+        assert self.ends is not None
+        hidden, residual = input_ids, None
+        if len(self.segments) > 1 or not self.ends.embeds:
+            hidden = embed(input_ids)
+        for segment, batch in zip(self.segments[:-1], batches):
+            hidden, residual = torch.ops.pagedllm_fused.decoder_layers(
+                hidden, residual, positions, segment.plan, *batch
+            )
+        return torch.ops.pagedllm_fused.decoder_logits(
+            hidden, residual, positions, self.segments[-1].plan, self.ends.plan, *batches[-1], rows
         )
 
     @staticmethod
