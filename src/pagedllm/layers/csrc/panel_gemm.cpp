@@ -197,13 +197,23 @@ int64_t panel_ahead_bytes() {
   return bytes;
 }
 
-// A tile of many rows requests its share of the next panel group's lines (Tile::ahead), a
-// few per step of K: line i is step i / nr of panel i % nr. The first row tile of a group
+// A tile of many rows requests its share of the next panel group's lines (Tile::ahead), spread
+// over its steps of K: line i is step i / nr of panel i % nr. The first row tile of a group
 // otherwise waited on its weight from memory (a decode step's 200 MB of weights do not stay
 // in the L3), while the following tiles found it in L2. One process taking turns, 2 threads,
 // the 125M model's 48 layer products and its LM head, bf16 weights on huge pages: 64 rows
 // 34.0 -> 32.3 ms, 32 rows 19.2 -> 17.5, 12 rows 9.0 -> 7.7, fp32 at 16 rows 20.6 -> 18.9;
 // 256 and 2,048 rows unchanged; the shared-prefix workload (64 requests) 5.61 -> 5.27 s.
+// A many-row kernel (AHEAD == 0 below) requests its share of the next group kBatchLines lines
+// at a time, between runs of its loop over K. Requested a step at a time inside the loop, the
+// Ahead's state took registers from the rows' pointers, which GCC then reloaded from the stack
+// on every step. One process taking turns with the two builds (16 times), the 125M model's
+// four products in bf16, two threads over 12 layers' weights: 64 rows 1.03x, 256 rows 1.04x,
+// 16 rows 0.99x; 2,048 rows (one layer) 1.05x; 64 rows on one thread, the weight in L3, 1.04x.
+// Bigger batches hurt where a tile requests several lines a step (8 rows: two tiles, two lines
+// a step): 32 lines a batch, 0.95x. The float32 and two-FMA kernels gained nothing this way.
+constexpr int64_t kBatchLines = 16;
+
 template <typename T>
 struct Ahead {
   const T* line;     // panel j's line of step s
@@ -232,8 +242,16 @@ struct Ahead {
       line += width - (nr - 1) * panel;
     }
   }
+  // Steps of K between two batches of requests (kBatchLines lines), of a tile's `steps`.
+  int64_t batch_steps(int64_t steps) const {
+    return per > 0 ? std::max<int64_t>(1, kBatchLines / per) : std::max<int64_t>(1, steps);
+  }
   ALWAYS_INLINE_PANEL void advance() {  // one step of K's share
     for (int u = 0; u < per; ++u) step();
+  }
+  // The share of `steps` steps of K, requested before they run.
+  ALWAYS_INLINE_PANEL void advance(int64_t steps) {
+    for (int64_t u = per * steps; u > 0; --u) step();
   }
 };
 
@@ -338,22 +356,38 @@ inline int32_t pair_at(const at::BFloat16* p) {
   return v;
 }
 
+// One step of K (a pair of input features) of an MR x NR tile.
+template <int MR, int NR>
+__attribute__((target("avx512f,avx512bf16"))) ALWAYS_INLINE_PANEL void dp_step(
+    const Tile<at::BFloat16>& t, int64_t k, __m512 (&acc)[MR][NR]) {
+  __m512i b[NR];
+  for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(t.w + j * t.panel + k * 2 * kPanel);
+  for (int i = 0; i < MR; ++i) {
+    const __m512i a = _mm512_set1_epi32(pair_at(t.x + i * t.xs + 2 * k));
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+  }
+}
+
+// AHEAD > 0: a row tile streaming the weight; 0: many rows, the next group's share requested
+// between batches of steps (kBatchLines).
 template <int MR, int NR, int64_t AHEAD>
 __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_dp(const Tile<at::BFloat16>& t) {
   __m512 acc[MR][NR];
   load_acc<MR, NR>(t, acc);
-  const at::BFloat16* w = t.w;
   Ahead<at::BFloat16> ahead(t, 2 * kPanel);
-  for (int64_t k = t.k0; k < t.k1; ++k) {  // k: a pair of input features
-    prefetch_panels<AHEAD, at::BFloat16, NR>(t, k, 2 * kPanel);
-    ahead.advance();
-    __m512i b[NR];
-    for (int j = 0; j < NR; ++j)
-      b[j] = _mm512_loadu_si512(w + j * t.panel + k * 2 * kPanel);
-    for (int i = 0; i < MR; ++i) {
-      const __m512i a = _mm512_set1_epi32(pair_at(t.x + i * t.xs + 2 * k));
-      for (int j = 0; j < NR; ++j)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+  if constexpr (AHEAD > 0) {
+    for (int64_t k = t.k0; k < t.k1; ++k) {
+      prefetch_panels<AHEAD, at::BFloat16, NR>(t, k, 2 * kPanel);
+      ahead.advance();
+      dp_step<MR, NR>(t, k, acc);
+    }
+  } else {
+    const int64_t batch = ahead.batch_steps(t.k1 - t.k0);
+    for (int64_t c = t.k0; c < t.k1; c += batch) {
+      const int64_t c1 = std::min(t.k1, c + batch);
+      ahead.advance(c1 - c);
+      for (int64_t k = c; k < c1; ++k) dp_step<MR, NR>(t, k, acc);
     }
   }
   store_acc<MR, NR>(t, acc);
@@ -391,9 +425,13 @@ void tile_ahead(const Tile<at::BFloat16>& t) {
   if (t.dp) tile_bf16_dp<MR, NR, AHEAD>(t); else tile_bf16_fma<MR, NR, AHEAD>(t);
 }
 
-// The stream distance of this call (panel_ahead_bytes) as the kernels' template argument.
+// The stream distance of this call (panel_ahead_bytes) as the kernels' template argument; 0
+// for vdpbf16ps over many rows (tile_bf16_dp's batches of Ahead's requests).
 template <int MR, int NR, typename T>
 void tile(const Tile<T>& t) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (t.dp && t.w_end == nullptr) return tile_bf16_dp<MR, NR, 0>(t);  // many rows: Ahead
+  }
   if (t.stream_ahead == kPanelAheadShort)
     tile_ahead<MR, NR, kPanelAheadShort>(t);
   else
