@@ -561,9 +561,12 @@ def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
 
 def stack_stores_in_loops(body: str) -> list[str]:
     """The stores of a vector register to the stack inside the innermost loop around each
-    multiply-add of a disassembled function (a loop: from the target of a backward conditional
-    jump, the latch GCC's rotated loops end with, to it; an unconditional one is a block laid
-    out after the function's return jumping back, and would take in the epilogue)."""
+    multiply-add of a disassembled function: from the target of the first backward conditional
+    jump after it that jumps to or before it (the latch GCC's rotated loops end with) to that
+    jump. An unconditional backward jump is a block laid out after the function's return
+    jumping back, and would take in the epilogue; so would the smallest range of a backward
+    jump around the multiply-add, where such a block's conditional jump goes back into the
+    loop from beyond its latch."""
     lines = []
     for line in body.splitlines():
         match = re.match(r"\s*([0-9a-f]+):\s+(.*)", line)
@@ -577,9 +580,10 @@ def stack_stores_in_loops(body: str) -> list[str]:
     math = re.compile(r"^(vfmadd231ps|vdpbf16ps|vpdpbusd)\s")
     innermost = set()
     for at, text in lines:
-        around = [(end - start, start, end) for start, end in loops if start <= at <= end]
-        if math.match(text) and around:
-            innermost.add(min(around)[1:])
+        latches = [(end, start) for start, end in loops if start <= at <= end]
+        if math.match(text) and latches:
+            end, start = min(latches)
+            innermost.add((start, end))
     spill = re.compile(r"^vmov\w+\s+%zmm\d+,.*\(%rsp\)")
     return [t for start, end in sorted(innermost) for a, t in lines
             if start <= a <= end and spill.match(t)]  # fmt: skip

@@ -220,7 +220,8 @@ struct Ahead {
   int64_t panel, width, left;
   int nr, j;
   int per;           // lines a step of K, enough for the tile's share over its steps
-  Ahead(const Tile<T>& t, int64_t width)
+  // Out of line: inlined, its division took registers from the streaming kernels' loops.
+  __attribute__((noinline)) Ahead(const Tile<T>& t, int64_t width)
       : panel(t.panel), width(width), left(0), nr(1), j(0), per(0) {
     line = t.ahead;
     if (line == nullptr) return;
