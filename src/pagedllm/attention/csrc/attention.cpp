@@ -246,6 +246,7 @@ struct SplitGroup {
 
 struct Scratch {
   std::vector<float> q, o, m, l;       // per kv head of the item: [rows][dim], [rows]
+  std::vector<float> mo, mm, ml;       // a split group's merge: its o, m and l, the same way
   std::vector<float> s, alpha;         // one head's scores / probabilities [rows][n_pad]
   std::vector<float> kf;               // many rows: one head's key tile transposed [dim][n_pad]
   std::vector<float> vf;               // many rows: one head's value tile in fp32 [n_pad][dim]
@@ -690,14 +691,78 @@ NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, i
   return next;
 }
 
-// The rows of kv heads [kv0, kv0 + kv_per_item) from the scratch's o, m and l, normalized into
-// out (and lse).
+// Where element d of an output row sits in the bf16-dot path's accumulators: per 32 features,
+// the unpacklo lanes (features 0-3 of each group of 8), then the unpackhi lanes (4-7).
+inline int dot_pos(int d) {
+  const int e = d & 31, group = e >> 3, i = e & 7;
+  return (d & ~31) + (i < 4 ? group * 4 + i : 16 + group * 4 + i - 4);
+}
+
+#if HAVE_BF16_DOT
+// Word d of a row's 32 bf16 outputs in a two-source word permute of the rounded accumulators
+// (each in the low half of its lane): lane dot_pos(d) of the first source, or of the second.
+struct DotOrder {
+  alignas(64) uint16_t words[32];
+  constexpr DotOrder() : words() {
+    for (int d = 0; d < 32; ++d) {
+      const int at = (d & 7) < 4 ? (d >> 3) * 4 + (d & 7) : 16 + (d >> 3) * 4 + (d & 7) - 4;
+      words[d] = (uint16_t)(at < 16 ? 2 * at : 32 + 2 * (at - 16));
+    }
+  }
+};
+constexpr DotOrder kDotOrder;
+
+// store_rows for the bf16-dot path (bf16 rows, dot_pos order, dim a multiple of 32), 32
+// features a pass: scaled, rounded as c10::BFloat16 rounds one value (to nearest even, a NaN
+// the quiet 0x7fc0) and put in feature order by one word permute; the same bits as
+// store_rows, which converts and places one element at a time.
+__attribute__((target("avx512f,avx512bw"))) void store_rows_dot(const Problem& p, int q_start,
+                                                                int t0, int rows, int kv,
+                                                                const float* o, const float* m,
+                                                                const float* l) {
+  const int G = p.heads / p.kv_heads;
+  const __m512i idx = _mm512_load_si512(kDotOrder.words);
+  const auto bf16_words = [](__m512 v) {  // each lane's bf16 in its low half
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc00000));
+    return _mm512_srli_epi32(r, 16);
+  };
+  auto* out = static_cast<c10::BFloat16*>(p.out);
+  for (int r = 0; r < rows; ++r) {
+    const int t = t0 + r / G, h = kv * G + r % G;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const __m512 scale = _mm512_set1_ps(inv);
+    c10::BFloat16* dst = out + (q_start + t) * p.o_tok + h * p.o_head;
+    const float* src = o + (int64_t)r * p.dim;
+    for (int d = 0; d < p.dim; d += 32) {
+      const __m512i lo = bf16_words(_mm512_mul_ps(_mm512_loadu_ps(src + d), scale));
+      const __m512i hi = bf16_words(_mm512_mul_ps(_mm512_loadu_ps(src + d + 16), scale));
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(lo, idx, hi));
+    }
+    if (p.lse != nullptr)
+      p.lse[h * p.lse_head + q_start + t] =
+          l[r] > 0.0f ? m[r] + std::log(l[r]) : std::numeric_limits<float>::infinity();
+  }
+}
+#endif
+
+// Rows of kv heads [kv0, kv0 + kv_per_item) (o [H][rows][D], m and l [H][rows]), normalized
+// into out (and lse).
 template <typename T, int (*Pos)(int)>
-void store_heads(const Problem& p, int q_start, int t0, int rows, int kv0, const Scratch& w) {
+void store_heads(const Problem& p, int q_start, int t0, int rows, int kv0, const float* o,
+                 const float* m, const float* l) {
   for (int h = 0; h < p.kv_per_item; ++h) {
     const int64_t off = (int64_t)h * rows;
-    store_rows<T, Pos>(p, q_start, t0, rows, kv0 + h, w.o.data() + off * p.dim, w.m.data() + off,
-                       w.l.data() + off);
+#if HAVE_BF16_DOT
+    if constexpr (std::is_same_v<T, c10::BFloat16> && Pos == &dot_pos) {
+      store_rows_dot(p, q_start, t0, rows, kv0 + h, o + off * p.dim, m + off, l + off);
+      continue;
+    }
+#endif
+    store_rows<T, Pos>(p, q_start, t0, rows, kv0 + h, o + off * p.dim, m + off, l + off);
   }
 }
 
@@ -734,46 +799,60 @@ inline int tile_rows(const Problem& p, int seq, int tile) {
 
 // The chunks of a split group into one output: the maximum of their maxima, each chunk's sums
 // and output weighted by exp(m - max) (0 for a chunk that saw no key of a row), then stored.
+// Chunk `own` is read from the scratch's o, m and l, where the merging item left it, the
+// others from their records.
 template <typename T, int (*Pos)(int)>
-void merge_chunks(const Problem& p, const SplitGroup& g, Scratch& w) {
+void merge_chunks(const Problem& p, const SplitGroup& g, Scratch& w, int own) {
   const int D = p.dim, H = p.kv_per_item, q_start = p.cu_q[g.seq];
   const int t0 = g.tile * p.block_m, rows = tile_rows(p, g.seq, g.tile);
   const int64_t n = (int64_t)H * rows;
-  w.o.assign(n * D, 0.0f);
-  w.m.assign(n, kNegInf);
-  w.l.assign(n, 0.0f);
+  const auto record = [&](int c) {  // chunk c's o; its m and l follow (n D and n D + n)
+    return p.partials + (g.first + c) * p.part_floats;
+  };
+  const auto m_of = [&](int c) { return c == own ? w.m.data() : record(c) + n * D; };
+  const auto l_of = [&](int c) { return c == own ? w.l.data() : record(c) + n * D + n; };
+  const auto o_of = [&](int c) { return c == own ? w.o.data() : record(c); };
+  w.mo.assign(n * D, 0.0f);
+  w.mm.assign(n, kNegInf);
+  w.ml.assign(n, 0.0f);
   for (int c = 0; c < g.chunks; ++c) {
-    const float* m = p.partials + (g.first + c) * p.part_floats + n * D;
-    for (int64_t i = 0; i < n; ++i) w.m[i] = std::max(w.m[i], m[i]);
+    const float* m = m_of(c);
+    for (int64_t i = 0; i < n; ++i) w.mm[i] = std::max(w.mm[i], m[i]);
   }
   for (int c = 0; c < g.chunks; ++c) {
-    const float* o = p.partials + (g.first + c) * p.part_floats;
-    const float *m = o + n * D, *l = m + n;
+    const float *o = o_of(c), *m = m_of(c), *l = l_of(c);
     for (int64_t i = 0; i < n; ++i) {
       if (m[i] == kNegInf) continue;
-      const float weight = std::exp(m[i] - w.m[i]);
-      w.l[i] += weight * l[i];
-      float* dst = w.o.data() + i * D;
+      const float weight = std::exp(m[i] - w.mm[i]);
+      w.ml[i] += weight * l[i];
+      float* dst = w.mo.data() + i * D;
       for (int d = 0; d < D; ++d) dst[d] += weight * o[i * D + d];
     }
   }
-  store_heads<T, Pos>(p, q_start, t0, rows, g.kv0, w);
+  store_heads<T, Pos>(p, q_start, t0, rows, g.kv0, w.mo.data(), w.mm.data(), w.ml.data());
   merged_groups.fetch_add(1, std::memory_order_relaxed);
 }
 
 // An item's result: its rows normalized into out (and lse); for one chunk of a split group,
-// its o, m and l kept for the merge, which the group's last chunk to finish does.
+// merged with the others where they are all done (each wrote its record before its release
+// below), else kept in its record for the merge, which the group's last chunk to finish does.
+// Decode behind a shared prefix ends most members' groups that way: the set's item ran first.
 template <typename T, int (*Pos)(int)>
 void finish(const Problem& p, const Item& item, int q_start, int t0, int rows, Scratch& w) {
   const int D = p.dim, H = p.kv_per_item;
-  if (item.group < 0) return store_heads<T, Pos>(p, q_start, t0, rows, item.kv0, w);
+  if (item.group < 0)
+    return store_heads<T, Pos>(p, q_start, t0, rows, item.kv0, w.o.data(), w.m.data(),
+                               w.l.data());
   const SplitGroup& g = p.groups[item.group];
+  if (g.pending->load(std::memory_order_acquire) == 1)
+    return merge_chunks<T, Pos>(p, g, w, item.chunk);
   const int64_t n = (int64_t)H * rows;
   float* part = p.partials + (g.first + item.chunk) * p.part_floats;
   std::memcpy(part, w.o.data(), n * D * sizeof(float));
   std::memcpy(part + n * D, w.m.data(), n * sizeof(float));
   std::memcpy(part + n * D + n, w.l.data(), n * sizeof(float));
-  if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge_chunks<T, Pos>(p, g, w);
+  if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1)
+    merge_chunks<T, Pos>(p, g, w, item.chunk);
 }
 
 // A shared item's result: each member's rows (`rows` in all, member after member) as chunk 0
@@ -800,7 +879,8 @@ void finish_shared(const Problem& p, const Item& item, const SharedSet& set, int
   shared_items.fetch_add(1, std::memory_order_relaxed);
   for (int i = 0; i < set.count; ++i) {
     const SplitGroup& g = p.groups[p.member_group[(set.first + i) * kv_groups + kvg]];
-    if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge_chunks<T, Pos>(p, g, w);
+    if (g.pending->fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_chunks<T, Pos>(p, g, w, -1);
   }
 }
 
@@ -1004,13 +1084,6 @@ BF16_DOT inline void to_pairs(const float* s, int n_pad, uint32_t* pairs, uint32
     _mm256_storeu_si256((__m256i*)(rest + c / 2),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(a, widen_bf16(hi))));
   }
-}
-
-// Where element d of an output row sits in this path's accumulators: per 32 features, the
-// unpacklo lanes (features 0-3 of each group of 8), then the unpackhi lanes (4-7).
-inline int dot_pos(int d) {
-  const int e = d & 31, group = e >> 3, i = e & 7;
-  return (d & ~31) + (i < 4 ? group * 4 + i : 16 + group * 4 + i - 4);
 }
 
 // o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] over keys [j0, j1) for R rows, NC chunks of 32
