@@ -439,6 +439,29 @@ def test_sequences_sharing_a_prefix_attend_it_once_for_all_of_them(threads, many
         torch.set_num_threads(saved)
 
 
+def test_shared_prefix_merges_give_two_threads_the_bits_of_one(many_row_products):
+    """Each decoding member's prefix chunk (its set's item) and its own keys merge in the item
+    that ends last, from their records or straight from that item's scratch when the other is
+    done: on two threads, call after call, out and lse are one thread's bit for bit, and each
+    call merges every member's group (40 members, whole-head items: one group each)."""
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 2, 2):
+            torch.set_num_threads(threads)
+            torch.manual_seed(0)
+            before = cpu_kernels.split_merges()
+            out, lse, _, _, ran = _shared_prefix_batch(random.Random(3), 40, 16, 0, [1] * 40, -1)
+            assert ran > 0
+            assert cpu_kernels.split_merges() - before == 40
+            results.append((out, lse))
+    finally:
+        torch.set_num_threads(saved)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(lse, results[0][1])
+
+
 def test_shared_prefix_needs_four_sequences_64_keys_48_rows_each_and_no_left_window():
     """Three sharing sequences, a prefix of 3 blocks (48 keys), chunks of 17 query tokens (51
     rows a kv head: each would fill a set alone) or a sliding window: no set, each sequence on
