@@ -697,7 +697,7 @@ NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, i
 
 // Where element d of an output row sits in the bf16-dot path's accumulators: per 32 features,
 // the unpacklo lanes (features 0-3 of each group of 8), then the unpackhi lanes (4-7).
-inline int dot_pos(int d) {
+constexpr int dot_pos(int d) {
   const int e = d & 31, group = e >> 3, i = e & 7;
   return (d & ~31) + (i < 4 ? group * 4 + i : 16 + group * 4 + i - 4);
 }
@@ -709,7 +709,7 @@ struct DotOrder {
   alignas(64) uint16_t words[32];
   constexpr DotOrder() : words() {
     for (int d = 0; d < 32; ++d) {
-      const int at = (d & 7) < 4 ? (d >> 3) * 4 + (d & 7) : 16 + (d >> 3) * 4 + (d & 7) - 4;
+      const int at = dot_pos(d);
       words[d] = (uint16_t)(at < 16 ? 2 * at : 32 + 2 * (at - 16));
     }
   }
