@@ -104,13 +104,13 @@ def cpu_flags() -> str:
     return " ".join(f for f in flags if f in _KERNEL_FLAGS)
 
 
-def ops_of_tree(tree: Path, source: str, library: str, namespace: str, cflags: list[str],
-                headers: tuple[str, ...] = ()):  # noqa: ANN201  # fmt: skip
+def ops_of_tree(tree: Path, source: str, library: str, namespace: str, cflags: list[str]):  # noqa: ANN201
     """torch.ops.<namespace>: another tree's C++ op library (`source` under it, registered as
     TORCH_LIBRARY(<library>, ...)) built under that namespace, so that its ops and this tree's
     run side by side in one process: its registrations (TORCH_LIBRARY, TORCH_LIBRARY_IMPL) and
-    the names of its classes move to the namespace. headers: files beside the source that it
-    includes."""
+    the names of its classes move to the namespace. The headers it may include (beside it, and
+    in the tree's src/pagedllm/csrc) are copied beside the renamed source, where they come
+    before this tree's shared headers."""
     import torch
 
     from pagedllm.cpp_build import load_cpp_ops
@@ -120,8 +120,9 @@ def ops_of_tree(tree: Path, source: str, library: str, namespace: str, cflags: l
     if registration not in text:
         raise SystemExit(f"{tree}: no {registration} ...) in {source}")
     folder = Path(tempfile.mkdtemp())
-    for header in headers:
-        shutil.copy(tree / Path(source).parent / header, folder)
+    for place in (tree / "src/pagedllm/csrc", tree / Path(source).parent):  # beside wins
+        for header in sorted(place.glob("*.h")):
+            shutil.copy(header, folder)
     copy = folder / f"{namespace}.cpp"
     for kind in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL(", "torch.classes."):
         text = text.replace(f"{kind}{library}", f"{kind}{namespace}")

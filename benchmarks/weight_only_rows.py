@@ -32,8 +32,7 @@ def load_against(tree: Path):  # noqa: ANN201
     """The weight_only_linear op of another tree's kernel, built under its own namespace (the
     flags weight_only.load builds with)."""
     source = "src/pagedllm/layers/csrc/weight_only_gemm.cpp"
-    ops = ops_of_tree(tree, source, "pagedllm_wo", "wo_against", ["-O3", "-fopenmp"],
-                      headers=("balanced_for.h",))  # fmt: skip
+    ops = ops_of_tree(tree, source, "pagedllm_wo", "wo_against", ["-O3", "-fopenmp"])
     return ops.weight_only_linear
 
 

@@ -64,8 +64,9 @@ def test_structured_outputs_work_without_triton() -> None:
 
 def test_the_package_data_ships_every_file_the_cpp_sources_include() -> None:
     """The C++ op libraries compile on the user's machine from the installed package: every
-    source and every header a source includes with quotes (layers/csrc/balanced_for.h) must
-    match a package-data pattern, or an installed wheel falls back to the torch ops."""
+    source and every header a source includes with quotes (beside it, or in pagedllm/csrc,
+    which every library has on its include path: balanced_for.h) must match a package-data
+    pattern, or an installed wheel falls back to the torch ops."""
     from fnmatch import fnmatch
 
     text = (ROOT / "pyproject.toml").read_text()
@@ -74,10 +75,14 @@ def test_the_package_data_ships_every_file_the_cpp_sources_include() -> None:
     patterns = [p.removeprefix("**/") for p in re.findall(r'"([^"]+)"', block[1])]
     package = ROOT / "src" / "pagedllm"
     sources = sorted(package.glob("**/csrc/*.cpp"))
+    shared = package / "csrc"
     included = {
-        s.parent / h for s in sources for h in re.findall(r'#include "([^"]+)"', s.read_text())
+        s.parent / h if (s.parent / h).exists() else shared / h
+        for s in sources
+        for h in re.findall(r'#include "([^"]+)"', s.read_text())
     }
-    assert any(path.name == "balanced_for.h" for path in included)
+    assert shared / "balanced_for.h" in included
+    assert shared / "bf16_round.h" in included
     for path in [*sources, *included]:
         assert path.exists(), path
         assert any(fnmatch(path.name, p) for p in patterns), f"{path} is not package data"

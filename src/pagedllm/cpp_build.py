@@ -1,11 +1,14 @@
 """Building and loading pagedllm's C++ op libraries (attention/csrc, layers/csrc): one place.
 
 torch.utils.cpp_extension compiles a library once into the torch extensions cache (10-20 s
-of one core; a log line says so while it runs). The build is named after the source's
-content, the compiler flags, the instruction set and the torch version, so a later process
-that finds the library loads it directly (no compiler, no ninja, no cpp_extension import),
-and copies of the source in other folders share one build. :func:`load_library` warns once
-and returns False when the build fails (no compiler or ninja); callers then take torch ops.
+of one core; a log line says so while it runs). Every library compiles with
+:data:`SHARED_HEADERS` (pagedllm/csrc: the work split, the bf16 rounding and the cache-line
+requests the libraries share) on its include path. The build is named after the source's
+content, the headers it may include, the compiler flags, the instruction set and the torch
+version, so a later process that finds the library loads it directly (no compiler, no ninja,
+no cpp_extension import), and copies of the source in other folders share one build.
+:func:`load_library` warns once and returns False when the build fails (no compiler or
+ninja); callers then take torch ops.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 from pagedllm import envs
 
 logger = logging.getLogger(__name__)
+
+SHARED_HEADERS = Path(__file__).parent / "csrc"
 
 
 def arch_flags() -> list[str]:
@@ -57,13 +62,15 @@ def _build_root() -> Path:
     return Path(base) / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
 
 
-def build_name(cflags: list[str], source: Path, prefix: str) -> str:
+def build_name(cflags: list[str], source: Path, prefix: str, shared: Path = SHARED_HEADERS) -> str:
     """A build's name: the instruction set (when built for it, ``-march=native``), and a hash
-    of the source, the headers beside it (which it may include), the flags and the torch
-    version."""
+    of the source, the headers it may include (beside it and in ``shared``), the flags and the
+    torch version."""
     digest = hashlib.sha1(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):
-        digest.update(header.read_bytes())
+    for folder in dict.fromkeys((source.parent, shared)):  # a folder once
+        for header in sorted(folder.glob("*.h")):
+            digest.update(header.name.encode())
+            digest.update(header.read_bytes())
     digest.update(" ".join(cflags).encode())
     digest.update(torch.__version__.encode())
     native = any(flag.startswith(("-march=", "-mcpu=")) for flag in cflags)
@@ -88,6 +95,7 @@ def _compile(name: str, folder: Path, cflags: list[str], source: Path, what: str
         sources=[str(source)],
         extra_cflags=cflags,
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(SHARED_HEADERS)],
         build_directory=str(folder),
         is_python_module=False,
     )

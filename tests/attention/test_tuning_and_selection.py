@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,22 +115,33 @@ def test_failed_build_warns_and_falls_back_to_torch(monkeypatch, tmp_path):
     assert len(calls) == 1
 
 
-def test_a_build_is_named_after_its_source_and_the_headers_beside_it(tmp_path):
-    """A header the libraries of a folder share (layers/csrc/balanced_for.h) changes the name
-    of each build beside it, so no process loads a library built from the old header."""
+def test_a_build_is_named_after_its_source_and_the_headers_it_may_include(tmp_path):
+    """A header beside a source, or in the folder every library has on its include path
+    (pagedllm/csrc: balanced_for.h, bf16_round.h), changes the name of each build that may
+    include it, so no process loads a library built from the old header."""
     from pagedllm import cpp_build
 
-    source = tmp_path / "ops.cpp"
-    source.write_text('#include "shared.h"\n')
-    (tmp_path / "shared.h").write_text("// one\n")
-    names = {cpp_build.build_name(["-O3"], source, "ops")}
-    (tmp_path / "shared.h").write_text("// two\n")
-    names.add(cpp_build.build_name(["-O3"], source, "ops"))
-    (tmp_path / "other.h").write_text("// three\n")
-    names.add(cpp_build.build_name(["-O3"], source, "ops"))
-    source.write_text('#include "shared.h"\n// changed\n')
-    names.add(cpp_build.build_name(["-O3"], source, "ops"))
-    (tmp_path / "notes.txt").write_text("not a header\n")
-    names.add(cpp_build.build_name(["-O3"], source, "ops"))
-    assert len(names) == 4  # every change but the text file's
-    assert all(name.startswith("ops_generic_") for name in names)
+    source, shared = tmp_path / "lib" / "ops.cpp", tmp_path / "shared"
+    source.parent.mkdir()
+    shared.mkdir()
+    source.write_text('#include "beside.h"\n#include "common.h"\n')
+    (source.parent / "beside.h").write_text("// one\n")
+    (shared / "common.h").write_text("// one\n")
+    name = lambda: cpp_build.build_name(["-O3"], source, "ops", shared)  # noqa: E731
+    names = [name()]
+    (source.parent / "beside.h").write_text("// two\n")
+    names.append(name())
+    (shared / "common.h").write_text("// two\n")
+    names.append(name())
+    (shared / "other.h").write_text("// three\n")
+    names.append(name())
+    (shared / "other.h").rename(source.parent / "other.h")  # the same text, moved
+    names.append(name())
+    source.write_text('#include "beside.h"\n// changed\n')
+    names.append(name())
+    (shared / "notes.txt").write_text("not a header\n")
+    assert name() == names[-1]  # a text file is no header
+    assert len(set(names)) == len(names)
+    assert all(n.startswith("ops_generic_") for n in names)
+    assert cpp_build.SHARED_HEADERS == Path(cpp_build.__file__).parent / "csrc"
+    assert (cpp_build.SHARED_HEADERS / "bf16_round.h").exists()

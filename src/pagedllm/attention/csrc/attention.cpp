@@ -34,6 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_round.h"
+
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -45,6 +47,10 @@
 #endif
 
 namespace {
+
+#if HAVE_BF16_DOT
+using pagedllm_cpu::bf16_round_words16;
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -717,8 +723,8 @@ struct DotOrder {
 constexpr DotOrder kDotOrder;
 
 // store_rows for the bf16-dot path (bf16 rows, dot_pos order, dim a multiple of 32), 32
-// features a pass: scaled, rounded as c10::BFloat16 rounds one value (to nearest even, a NaN
-// the quiet 0x7fc0) and put in feature order by one word permute; the same bits as
+// features a pass: scaled, rounded as c10::BFloat16 rounds one value (bf16_round.h, as the
+// products round theirs) and put in feature order by one word permute; the same bits as
 // store_rows, which converts and places one element at a time.
 __attribute__((target("avx512f,avx512bw"))) void store_rows_dot(const Problem& p, int q_start,
                                                                 int t0, int rows, int kv,
@@ -726,14 +732,6 @@ __attribute__((target("avx512f,avx512bw"))) void store_rows_dot(const Problem& p
                                                                 const float* l) {
   const int G = p.heads / p.kv_heads;
   const __m512i idx = _mm512_load_si512(kDotOrder.words);
-  const auto bf16_words = [](__m512 v) {  // each lane's bf16 in its low half
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7fc00000));
-    return _mm512_srli_epi32(r, 16);
-  };
   auto* out = static_cast<c10::BFloat16*>(p.out);
   for (int r = 0; r < rows; ++r) {
     const int t = t0 + r / G, h = kv * G + r % G;
@@ -742,8 +740,8 @@ __attribute__((target("avx512f,avx512bw"))) void store_rows_dot(const Problem& p
     c10::BFloat16* dst = out + (q_start + t) * p.o_tok + h * p.o_head;
     const float* src = o + (int64_t)r * p.dim;
     for (int d = 0; d < p.dim; d += 32) {
-      const __m512i lo = bf16_words(_mm512_mul_ps(_mm512_loadu_ps(src + d), scale));
-      const __m512i hi = bf16_words(_mm512_mul_ps(_mm512_loadu_ps(src + d + 16), scale));
+      const __m512i lo = bf16_round_words16(_mm512_mul_ps(_mm512_loadu_ps(src + d), scale));
+      const __m512i hi = bf16_round_words16(_mm512_mul_ps(_mm512_loadu_ps(src + d + 16), scale));
       _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(lo, idx, hi));
     }
     if (p.lse != nullptr)

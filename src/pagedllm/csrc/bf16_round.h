@@ -1,6 +1,6 @@
 // fp32 -> bf16 on vectors, as c10::BFloat16 converts one value: rounded to nearest even at
-// bit 16, a NaN made the quiet 0x7fc0 (included by the C++ libraries of this folder: the
-// products and the fused decoder ops).
+// bit 16, a NaN made the quiet 0x7fc0 (included by the products, the fused decoder ops and
+// the attention kernel's bf16 stores).
 #pragma once
 
 #include <cstdint>
@@ -17,12 +17,17 @@ __attribute__((target("avx512f"))) inline __m512i bf16_rounded_bits(__m512 v) {
   return _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
 }
 
-// 16 floats to 16 bf16.
-__attribute__((target("avx512f"))) inline __m256i bf16_round16(__m512 v) {
+// 16 floats to 16 bf16, each in the low half of its 32-bit lane.
+__attribute__((target("avx512f"))) inline __m512i bf16_round_words16(__m512 v) {
   __m512i r = bf16_rounded_bits(v);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                             _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  return _mm512_srli_epi32(r, 16);
+}
+
+// 16 floats to 16 bf16.
+__attribute__((target("avx512f"))) inline __m256i bf16_round16(__m512 v) {
+  return _mm512_cvtepi32_epi16(bf16_round_words16(v));
 }
 
 // The same on 8 lanes (AVX2): each lane's bf16 bits in its low half.

@@ -1,5 +1,6 @@
-// Work split shared by the product libraries of this folder (included, not built alone; a
-// library's build name hashes the headers beside its source, cpp_build.build_name).
+// Work split shared by the C++ product libraries (included, not built alone: every library
+// compiles with this folder on its include path, and its build name hashes the folder's
+// headers, cpp_build.build_name).
 #pragma once
 
 #include <ATen/Parallel.h>

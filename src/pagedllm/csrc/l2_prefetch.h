@@ -1,4 +1,4 @@
-// Requests for one cache line (into L2; for writing), shared by this folder's product libraries.
+// Requests for one cache line (into L2; for writing), shared by the C++ product libraries.
 #pragma once
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
