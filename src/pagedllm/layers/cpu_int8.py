@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from pathlib import Path
 
 import torch
 
-from pagedllm.cpp_build import load_cpp_ops
+from pagedllm.cpp_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +26,11 @@ _SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
 @functools.cache
 def load() -> bool:
     """Build (first call of the first process) and load the kernel; False if that fails."""
-    try:
-        load_cpp_ops(_SOURCE, ["-O3", "-fopenmp"], "pagedllm_int8", "C++ int8 GEMM kernel")
-    except Exception as exc:  # no compiler or ninja: the oneDNN path still works
-        warnings.warn(
-            f"CPU int8 GEMM kernel unavailable ({type(exc).__name__}: {exc}); using oneDNN "
-            "for every batch size",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return False
-    logger.info("CPU int8 GEMM kernel loaded (%s)", isa())
+    what = "C++ int8 GEMM kernel"
+    flags = ["-O3", "-fopenmp"]
+    if load_library(_SOURCE, flags, "pagedllm_int8", what, "oneDNN for every batch size") is None:
+        return False  # no compiler or ninja: the oneDNN path still works
+    logger.info("%s: %s", what, isa())
     return True
 
 

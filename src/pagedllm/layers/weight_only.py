@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedllm import envs
-from pagedllm.cpp_build import load_cpp_ops
+from pagedllm.cpp_build import load_library
 from pagedllm.layers import panel_gemm
 
 logger = logging.getLogger(__name__)
@@ -62,17 +61,11 @@ _SLAB_ELEMENTS = 1 << 20  # weights dequantized per slab on the many-row path (4
 @functools.cache
 def load() -> bool:
     """Build (first call of the first process) and load the kernel; False if that fails."""
-    try:
-        load_cpp_ops(_SOURCE, ["-O3", "-fopenmp"], "pagedllm_wo", "C++ weight-only GEMM kernel")
-    except Exception as exc:  # no compiler or ninja: the slab path still works
-        warnings.warn(
-            f"C++ weight-only kernel unavailable ({type(exc).__name__}: {exc}); dequantizing "
-            "weight slabs for every batch size",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return False
-    logger.info("C++ weight-only GEMM kernel loaded (%s)", torch.ops.pagedllm_wo.isa())
+    what = "C++ weight-only GEMM kernel"
+    fallback = "dequantizing weight slabs for every batch size"
+    if load_library(_SOURCE, ["-O3", "-fopenmp"], "pagedllm_wo", what, fallback) is None:
+        return False  # no compiler or ninja: the slab path still works
+    logger.info("%s: %s", what, torch.ops.pagedllm_wo.isa())
     return True
 
 
