@@ -647,6 +647,54 @@ void load_queries(const Problem& p, int q_start, int t0, int rows, int kv, float
   }
 }
 
+// Where element d of an output row sits in the bf16-dot path's accumulators: per 32 features,
+// the unpacklo lanes (features 0-3 of each group of 8), then the unpackhi lanes (4-7).
+constexpr int dot_pos(int d) {
+  const int e = d & 31, group = e >> 3, i = e & 7;
+  return (d & ~31) + (i < 4 ? group * 4 + i : 16 + group * 4 + i - 4);
+}
+
+#if HAVE_BF16_DOT
+// Word d of a row's 32 bf16 outputs in a two-source word permute of the rounded accumulators
+// (each in the low half of its lane): lane dot_pos(d) of the first source, or of the second.
+struct DotOrder {
+  alignas(64) uint16_t words[32];
+  constexpr DotOrder() : words() {
+    for (int d = 0; d < 32; ++d) {
+      const int at = dot_pos(d);
+      words[d] = (uint16_t)(at < 16 ? 2 * at : 32 + 2 * (at - 16));
+    }
+  }
+};
+constexpr DotOrder kDotOrder;
+
+// One output row of the bf16-dot path (dot_pos order, dim a multiple of 32), 32 features a
+// pass: scaled, rounded as c10::BFloat16 rounds one value (bf16_round.h, as the products
+// round theirs) and put in feature order by one word permute; the same bits as the scalar
+// loop of store_features, which converts and places one element at a time.
+__attribute__((target("avx512f,avx512bw"))) void store_features_dot(const float* src, float inv,
+                                                                    int dim,
+                                                                    c10::BFloat16* dst) {
+  const __m512i idx = _mm512_load_si512(kDotOrder.words);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int d = 0; d < dim; d += 32) {
+    const __m512i lo = bf16_round_words16(_mm512_mul_ps(_mm512_loadu_ps(src + d), scale));
+    const __m512i hi = bf16_round_words16(_mm512_mul_ps(_mm512_loadu_ps(src + d + 16), scale));
+    _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(lo, idx, hi));
+  }
+}
+#endif
+
+// One output row: src (in Pos order) times inv, in feature order, converted to T.
+template <typename T, int (*Pos)(int)>
+inline void store_features(const float* src, float inv, int dim, T* dst) {
+#if HAVE_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Pos == &dot_pos)
+    return store_features_dot(src, inv, dim, dst);
+#endif
+  for (int d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[Pos(d)] * inv);
+}
+
 template <typename T, int (*Pos)(int) = lane_pos<T>>
 void store_rows(const Problem& p, int q_start, int t0, int rows, int kv, const float* o,
                 const float* m, const float* l) {
@@ -655,9 +703,8 @@ void store_rows(const Problem& p, int q_start, int t0, int rows, int kv, const f
   for (int r = 0; r < rows; ++r) {
     const int t = t0 + r / G, h = kv * G + r % G;
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    T* dst = out + (q_start + t) * p.o_tok + h * p.o_head;
-    const float* src = o + (int64_t)r * p.dim;
-    for (int d = 0; d < p.dim; ++d) dst[d] = static_cast<T>(src[Pos(d)] * inv);
+    store_features<T, Pos>(o + (int64_t)r * p.dim, inv, p.dim,
+                           out + (q_start + t) * p.o_tok + h * p.o_head);
     if (p.lse != nullptr)  // flash-attn reports +inf for a row that sees no key
       p.lse[h * p.lse_head + q_start + t] =
           l[r] > 0.0f ? m[r] + std::log(l[r]) : std::numeric_limits<float>::infinity();
@@ -701,56 +748,6 @@ NextSlots<T> next_slots(const Problem& p, const Item& item, const Item* after, i
   return next;
 }
 
-// Where element d of an output row sits in the bf16-dot path's accumulators: per 32 features,
-// the unpacklo lanes (features 0-3 of each group of 8), then the unpackhi lanes (4-7).
-constexpr int dot_pos(int d) {
-  const int e = d & 31, group = e >> 3, i = e & 7;
-  return (d & ~31) + (i < 4 ? group * 4 + i : 16 + group * 4 + i - 4);
-}
-
-#if HAVE_BF16_DOT
-// Word d of a row's 32 bf16 outputs in a two-source word permute of the rounded accumulators
-// (each in the low half of its lane): lane dot_pos(d) of the first source, or of the second.
-struct DotOrder {
-  alignas(64) uint16_t words[32];
-  constexpr DotOrder() : words() {
-    for (int d = 0; d < 32; ++d) {
-      const int at = dot_pos(d);
-      words[d] = (uint16_t)(at < 16 ? 2 * at : 32 + 2 * (at - 16));
-    }
-  }
-};
-constexpr DotOrder kDotOrder;
-
-// store_rows for the bf16-dot path (bf16 rows, dot_pos order, dim a multiple of 32), 32
-// features a pass: scaled, rounded as c10::BFloat16 rounds one value (bf16_round.h, as the
-// products round theirs) and put in feature order by one word permute; the same bits as
-// store_rows, which converts and places one element at a time.
-__attribute__((target("avx512f,avx512bw"))) void store_rows_dot(const Problem& p, int q_start,
-                                                                int t0, int rows, int kv,
-                                                                const float* o, const float* m,
-                                                                const float* l) {
-  const int G = p.heads / p.kv_heads;
-  const __m512i idx = _mm512_load_si512(kDotOrder.words);
-  auto* out = static_cast<c10::BFloat16*>(p.out);
-  for (int r = 0; r < rows; ++r) {
-    const int t = t0 + r / G, h = kv * G + r % G;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const __m512 scale = _mm512_set1_ps(inv);
-    c10::BFloat16* dst = out + (q_start + t) * p.o_tok + h * p.o_head;
-    const float* src = o + (int64_t)r * p.dim;
-    for (int d = 0; d < p.dim; d += 32) {
-      const __m512i lo = bf16_round_words16(_mm512_mul_ps(_mm512_loadu_ps(src + d), scale));
-      const __m512i hi = bf16_round_words16(_mm512_mul_ps(_mm512_loadu_ps(src + d + 16), scale));
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(lo, idx, hi));
-    }
-    if (p.lse != nullptr)
-      p.lse[h * p.lse_head + q_start + t] =
-          l[r] > 0.0f ? m[r] + std::log(l[r]) : std::numeric_limits<float>::infinity();
-  }
-}
-#endif
-
 // Rows of kv heads [kv0, kv0 + kv_per_item) (o [H][rows][D], m and l [H][rows]), normalized
 // into out (and lse).
 template <typename T, int (*Pos)(int)>
@@ -758,12 +755,6 @@ void store_heads(const Problem& p, int q_start, int t0, int rows, int kv0, const
                  const float* m, const float* l) {
   for (int h = 0; h < p.kv_per_item; ++h) {
     const int64_t off = (int64_t)h * rows;
-#if HAVE_BF16_DOT
-    if constexpr (std::is_same_v<T, c10::BFloat16> && Pos == &dot_pos) {
-      store_rows_dot(p, q_start, t0, rows, kv0 + h, o + off * p.dim, m + off, l + off);
-      continue;
-    }
-#endif
     store_rows<T, Pos>(p, q_start, t0, rows, kv0 + h, o + off * p.dim, m + off, l + off);
   }
 }
