@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -540,9 +541,11 @@ def kernel_bodies(library: str, name: str) -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
 def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
     """Every instantiation of the kernels that stream a weight at a few rows carries its
-    software prefetch (prefetcht1) in the built library. GCC 12 once dropped the intrinsic
-    from an inline helper without a word, which no product test can see: the products were
-    right, only slower."""
+    software prefetch (prefetcht1) in the built library: the stream's requests ahead or, in
+    the instantiations for distance 0 (Zen 5 streams without them), the requests of the next
+    panel group that those kernels make at many rows. GCC 12 once dropped the intrinsic from
+    an inline helper without a word, which no product test can see: the products were right,
+    only slower."""
     library = panel_library()
     kernels = (
         "quant_tile_small<1,",
@@ -557,6 +560,27 @@ def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
         assert bodies, f"no {kernel} in {library}"
         for name, body in bodies.items():
             assert "prefetcht1" in body, f"{name} requests nothing ahead"
+
+
+def _cpuinfo(field: str) -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def test_streaming_tiles_request_ahead_by_the_cpus_vendor_and_family():
+    """How far ahead a row tile streaming a float weight requests it, as CPUID gives the
+    kernel vendor and family, checked against /proc/cpuinfo's: none on AMD family 26 (Zen 5,
+    whose own prefetchers stream faster alone), 1 KB on older AMD cores, 2 KB elsewhere. The
+    products' bits are the same either way (the products' tests run this CPU's choice)."""
+    vendor, family = _cpuinfo("vendor_id"), _cpuinfo("cpu family")
+    if not family.isdigit():
+        pytest.skip("no CPU family in /proc/cpuinfo")
+    expected = 2048
+    if vendor == "AuthenticAMD":
+        expected = 0 if int(family) >= 26 else 1024
+    assert torch.ops.pagedllm_panel.stream_ahead_bytes() == expected
 
 
 def stack_stores_in_loops(body: str) -> list[str]:

@@ -185,17 +185,35 @@ inline void ahead_share(Tile<T>& t, int64_t i, int64_t tiles, int64_t lines) {
 // 512 B 1.02x / 1.04x, against 1.5 KB (fp32) 1.12x, against none 1.04x / 1.06x. The 120 one-row
 // fp32 layer products alone ran 2 KB ahead at 32-37 GB/s where the read bandwidth reached 53,
 // 1 KB ahead at 39-43. Zen 3's AVX2 GEMV found 1 KB best too (kGemvAheadBytes, fused_ops.cpp).
+// Zen 5 (AMD family 26) streams faster with no requests at all: a one-row fp32 panel product's
+// read pattern (four panels side by side, two threads, 512 MB), every variant in turn in one
+// process, five runs of 12 rounds on a 2-core Zen 5 guest: none against 1 KB ahead 1.07-1.23x
+// (medians 61.6 / 49.9, 39.8 / 36.3, 44.3 / 40.4 GB/s on 2 MB pages, 37.8 / 35.4 on 4 KB
+// pages), and 2 or 4 KB ahead no better than 1 KB (benchmarks/stream_ahead.py, which also
+// switches a decoding engine's distance every few steps).
 // The kernels take the distance as a template argument: as a value from the tile, one more
 // live integer made GCC spill a tile's vectors inside its loop over K.
 constexpr int64_t kPanelAheadShort = 1024, kPanelAheadLong = 2048;
 
-int64_t panel_ahead_bytes() {
-  static const int64_t bytes = [] {
+// The CPU's family as CPUID leaf 1 reports it (base family, plus the extended one past 15).
+int cpu_family() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+  const int base = (eax >> 8) & 0xf;
+  return base == 0xf ? base + int((eax >> 20) & 0xff) : base;
+}
+
+// This CPU's distance, or the one a benchmark set (stream_ahead_bytes) to compare them.
+std::atomic<int64_t>& panel_ahead() {
+  static std::atomic<int64_t> bytes{[] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? kPanelAheadShort : kPanelAheadLong;
-  }();
+    if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
+    return cpu_family() >= 26 ? int64_t(0) : kPanelAheadShort;
+  }()};
   return bytes;
 }
+
+int64_t panel_ahead_bytes() { return panel_ahead().load(std::memory_order_relaxed); }
 
 // A tile of many rows requests its share of the next panel group's lines (Tile::ahead), spread
 // over its steps of K: line i is step i / nr of panel i % nr. The first row tile of a group
@@ -261,6 +279,7 @@ struct Ahead {
 
 template <int64_t AHEAD, typename T, int NR>
 inline void prefetch_panels(const Tile<T>& t, int64_t k, int64_t width) {
+  if constexpr (AHEAD == 0) return;  // the hardware's prefetchers alone (panel_ahead_bytes)
   if (t.w_end == nullptr) return;
   const int64_t steps = t.panel / width;
   const int64_t ahead = AHEAD / (width * int64_t(sizeof(T)));
@@ -430,12 +449,14 @@ void tile_ahead(const Tile<at::BFloat16>& t) {
 }
 
 // The stream distance of this call (panel_ahead_bytes) as the kernels' template argument; 0
-// for vdpbf16ps over many rows (tile_bf16_dp's batches of Ahead's requests).
+// for vdpbf16ps over many rows (tile_bf16_dp's batches of Ahead's requests, none where a row
+// tile streams the weight) and for a row tile streaming with no requests (Zen 5).
 template <int MR, int NR, typename T>
 void tile(const Tile<T>& t) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (t.dp && t.w_end == nullptr) return tile_bf16_dp<MR, NR, 0>(t);  // many rows: Ahead
   }
+  if (t.w_end != nullptr && t.stream_ahead == 0) return tile_ahead<MR, NR, 0>(t);
   if (t.stream_ahead == kPanelAheadShort)
     tile_ahead<MR, NR, kPanelAheadShort>(t);
   else
@@ -1513,6 +1534,21 @@ int64_t row_blocks() { return row_block_count.load(); }
 int64_t ahead_lines() { return ahead_line_count.load(); }
 int64_t int8_rows() { return int8_row_count.load(); }
 
+// Bytes ahead a row tile streaming a float weight requests each panel (0: none): this CPU's
+// choice, or `bytes` (0, 1,024 or 2,048) from now on where given (benchmarks/stream_ahead.py).
+int64_t stream_ahead_bytes(c10::optional<int64_t> bytes) {
+#if PAGEDLLM_X86 && defined(__GNUC__)
+  if (bytes.has_value()) {
+    TORCH_CHECK(*bytes == 0 || *bytes == kPanelAheadShort || *bytes == kPanelAheadLong,
+                "stream_ahead_bytes: 0, ", kPanelAheadShort, " or ", kPanelAheadLong);
+    panel_ahead().store(*bytes, std::memory_order_relaxed);
+  }
+  return panel_ahead_bytes();
+#else
+  return 0;
+#endif
+}
+
 int64_t amx_blocks() {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   return amx_block_count.load();
@@ -1654,4 +1690,5 @@ TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("row_blocks() -> int", &row_blocks);
   m.def("ahead_lines() -> int", &ahead_lines);
   m.def("int8_rows() -> int", &int8_rows);
+  m.def("stream_ahead_bytes(int? bytes=None) -> int", &stream_ahead_bytes);
 }
