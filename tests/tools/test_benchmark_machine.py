@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-COMMON = Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
+from helpers.tools import BENCHMARKS, load_script
 
 
 @pytest.fixture(scope="module")
 def common() -> ModuleType:
-    """benchmarks/common.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_common", COMMON)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_common"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCHMARKS / "common.py", "bench_common")
 
 
 @pytest.mark.parametrize(
