@@ -79,11 +79,13 @@ def default_model_dir() -> Path:
 
 
 def _cpuinfo_field(name: str) -> str:
-    """The first value of a /proc/cpuinfo field ('' where there is none)."""
+    """The first value of a /proc/cpuinfo field ('' where there is none): the field named
+    exactly so ("model", not "model name")."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
     return ""

@@ -564,8 +564,9 @@ def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
 
 def _cpuinfo(field: str) -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith(field):
-            return line.split(":", 1)[1].strip()
+        key, _, value = line.partition(":")
+        if key.strip() == field:
+            return value.strip()
     return ""
 
 
