@@ -4,14 +4,16 @@ For each row count, every linear product of the model (layers x qkv, o, gate_up,
 weight its own tensor, so the weights stream from memory as in a decode step) and, apart, the
 LM head, through:
 
-* plain: what a plain [N, K] weight runs (F.linear; pagedllm's C++ GEMV at one row);
+* plain: what a plain [N, K] weight runs (pagedllm's C++ GEMV at one row, else F.linear, or
+  its bf16 form for a CPU without AVX-512: cpu_fused.float_linear);
 * oneDNN prepacked: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once for
   the row count (what inductor's freezing uses; a second copy of every weight);
 * panels: pagedllm's panel GEMM (layers/panel_gemm.py), the layout the loader keeps.
 
 Prints ms per step, GFLOP/s and panels as a share of the faster of the other two (the
 machine's rate at the same shapes), median of 7 rounds; then the weight-only int4 / int8
-products by rows and in panels; and writes the markdown tables.
+products by rows and in panels where the CPU runs those (AVX-512F); and writes the markdown
+tables.
 
     python benchmarks/panel_gemm.py [--model FOLDER] [--markdown benchmarks/results/panel_gemm.md]
 """
@@ -20,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import load_average, machine  # noqa: E402
@@ -47,15 +49,19 @@ def median_seconds(fn, rounds: int = 7) -> float:  # noqa: ANN001
 
 
 def measure(weights: list[torch.Tensor], panels: list[torch.Tensor], rows: int) -> dict[str, float]:
-    """ms per step for each path over products with these weights at this row count."""
+    """ms per step for each path over products with these weights at this row count (oneDNN
+    nan where it does not prepack this dtype on this CPU: bf16 without AVX-512)."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
-    prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    try:
+        prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    except RuntimeError:
+        prepacked = None
     pointwise = torch.ops.mkldnn._linear_pointwise
 
     def plain() -> None:
         for w in weights:
             x = xs[w.shape[1]]
-            cpu_fused.gemv(x, w, None) if rows == 1 else F.linear(x, w)
+            cpu_fused.gemv(x, w, None) if rows == 1 else cpu_fused.float_linear(x, w, None)
 
     def onednn() -> None:
         for w, p in zip(weights, prepacked):
@@ -65,10 +71,8 @@ def measure(weights: list[torch.Tensor], panels: list[torch.Tensor], rows: int) 
         for w, p in zip(weights, panels):
             panel_gemm.linear(xs[w.shape[1]], p, None)
 
-    return {
-        name: median_seconds(fn) * 1e3
-        for name, fn in (("plain", plain), ("onednn", onednn), ("panels", in_panels))
-    }
+    paths = (("plain", plain), ("onednn", onednn if prepacked else None), ("panels", in_panels))
+    return {name: median_seconds(fn) * 1e3 if fn else math.nan for name, fn in paths}
 
 
 def products(xs: dict[int, torch.Tensor], weights: list) -> None:
@@ -102,7 +106,7 @@ def quantized_table(shapes: list[tuple[int, int]], row_counts: list[int]) -> lis
 def main() -> None:
     args = parse_args()
     if not (cpu_fused.load() and panel_gemm.available()):
-        raise SystemExit("the panel GEMM needs the C++ ops built and a CPU with AVX-512F")
+        raise SystemExit("the panel GEMM needs the C++ ops built and AVX-512F or AVX2 with FMA")
     torch.set_num_threads(args.threads)
     config = json.loads((args.model / "config.json").read_text())
     shapes = linear_shapes(config)
@@ -124,12 +128,13 @@ def main() -> None:
             for rows in args.rows:
                 ms = measure(weights, panels, rows)
                 rate = flops_per_row * rows / ms["panels"] / 1e6
-                share = min(ms["plain"], ms["onednn"]) / ms["panels"]
+                share = min(t for t in (ms["plain"], ms["onednn"]) if t == t) / ms["panels"]
                 cells = [str(dtype)[6:], label, rows, *(f"{ms[p]:.2f}" for p in ms)]
                 line = "| " + " | ".join(map(str, [*cells, f"{rate:.0f}", f"{share:.2f}x"])) + " |"
                 print(line, flush=True)
                 lines.append(line)
-    lines += ["", *quantized_table(layer_shapes, args.rows)]
+    if panel_gemm.quantized_available():
+        lines += ["", *quantized_table(layer_shapes, args.rows)]
     footer = f"load at the end: {load_average()}"
     print(footer)
     if args.markdown:

@@ -1,8 +1,9 @@
 """How far ahead a one-row float product should request its weight on this CPU.
 
 A decode step of one user streams every float weight once; csrc/panel_gemm.cpp's row tiles
-request each panel's stream some bytes ahead (1 KB on AMD before Zen 5, none on Zen 5, 2 KB
-elsewhere: ``torch.ops.pagedllm_panel.stream_ahead_bytes()``). Two measurements, each taking
+request each panel's stream some bytes ahead (1 KB on AMD before Zen 5 but none for float32
+without AVX-512, none on Zen 5, 2 KB elsewhere:
+``torch.ops.pagedllm_panel.stream_ahead_bytes(dtype=...)``). Two measurements, each taking
 turns within one process, so that the machine's drifting memory bandwidth weighs on every
 setting alike:
 
@@ -143,7 +144,8 @@ def engine(model: str, dtype: str, settings: list[int], steps: int, block: int) 
     llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_num_seqs=1)
     eng = llm.llm_engine
     choose = torch.ops.pagedllm_panel.stream_ahead_bytes
-    print(f"this CPU's distance: {choose()} bytes")
+    print(f"this CPU's distance: float32 {choose()} bytes, bfloat16 "
+          f"{choose(dtype=torch.bfloat16)} bytes")  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=block, ignore_eos=True, detokenize=False)
     blocks: dict[int, list[float]] = {s: [] for s in settings}
     prompt = [(13 * j) % 30000 + 3 for j in range(128)]

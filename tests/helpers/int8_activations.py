@@ -10,7 +10,7 @@ from pagedllm.layers import panel_gemm, weight_only
 
 def panels_on_vnni() -> bool:
     """Whether weight-only panels run here and multiply x on int8 (AVX512-VNNI and VBMI)."""
-    return panel_gemm.available() and panel_gemm.int8_activations_available()
+    return panel_gemm.quantized_available() and panel_gemm.int8_activations_available()
 
 
 def int8_activations_on() -> bool:

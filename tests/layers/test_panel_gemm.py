@@ -15,14 +15,21 @@ from helpers.int8_activations import int8_activation_reference, panels_on_vnni
 from pagedllm.layers import panel_gemm
 
 pytestmark = pytest.mark.skipif(
-    not panel_gemm.available(), reason="the panel GEMM needs a CPU with AVX-512F"
+    not panel_gemm.available(), reason="the panel GEMM needs AVX-512F or AVX2 with FMA"
 )
 
 # The bf16 paths this CPU runs: AMX tiles beyond 6 rows where it has AMX-BF16, the dot-product
-# instruction where it has AVX512-BF16, and the two-FMA path every AVX-512 CPU runs.
-ISAS = ["avx512", "avx512_bf16", "amx_bf16"]  # each CPU runs its own and those before it
+# instruction where it has AVX512-BF16, the two-FMA path every AVX-512 CPU runs, and the AVX2
+# tiles every one of these CPUs runs. float32 has two: AVX-512 and AVX2.
+ISAS = ["avx2", "avx512", "avx512_bf16", "amx_bf16"]  # each CPU runs its own and those before
 AMX = panel_gemm.isa() == "amx_bf16"
 BF16_ISAS = ISAS[: ISAS.index(panel_gemm.isa()) + 1] if panel_gemm.isa() in ISAS else []
+FP32_ISAS = BF16_ISAS[:2]
+AVX512 = "avx512" in BF16_ISAS
+# weight-only codes in panels (AVX-512F; an AVX2 CPU keeps them by rows)
+QUANT = pytest.mark.skipif(
+    not panel_gemm.quantized_available(), reason="quantized panels need AVX-512F"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,7 +57,7 @@ def test_only_cpu_float_weights_that_split_into_panels_pack():
 
 
 CASES = [
-    (torch.float32, None, 1e-5),
+    *((torch.float32, isa, 1e-5) for isa in FP32_ISAS),
     *((torch.bfloat16, isa, 1e-2) for isa in BF16_ISAS),
 ]
 
@@ -147,6 +154,7 @@ def test_many_row_tiles_request_each_panel_group_but_the_first_once_ahead(dtype)
         torch.set_num_threads(before)
 
 
+@QUANT
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_products_of_many_rows_request_each_slice_but_the_first_once_ahead(bits):
     """Beyond 8 rows a quantized product dequantizes a slice of 1,024 input features of a panel
@@ -189,7 +197,7 @@ def test_panel_products_give_the_same_bits_on_any_number_of_threads(threads):
         panels = panel_gemm.pack(torch.randn(37 * 16, 320).to(dtype))
         cases += [(lambda x, p=panels: panel_gemm.linear(x, p, None), dtype, 320, rows)
                   for rows in (1, 6, 40)]  # fmt: skip
-    for bits in (4, 8):
+    for bits in (4, 8) if panel_gemm.quantized_available() else ():
         packed = weight_only.in_panels(weight_only.quantize(torch.randn(19 * 16, 576), bits, 32))
         cases += [(lambda x, p=packed: weight_only.panel_linear(x, p, None), dtype, 576, rows)
                   for dtype in (torch.float32, torch.bfloat16) for rows in (1, 8, 40)]  # fmt: skip
@@ -293,10 +301,39 @@ def test_rows_of_panels_are_the_plain_weights_rows(dtype):
         panel_gemm.rows(panels, torch.tensor([2, 80]))
 
 
-def test_an_isa_the_cpu_lacks_is_refused():
+def test_an_unknown_isa_or_one_the_cpu_lacks_is_refused():
     w = panel_gemm.pack(torch.randn(16, 4))
-    with pytest.raises(RuntimeError, match="isa is amx_bf16, avx512_bf16 or avx512"):
-        panel_gemm.linear(torch.randn(1, 4), w, None, "avx2")
+    with pytest.raises(RuntimeError, match="isa is amx_bf16, avx512_bf16, avx512 or avx2"):
+        panel_gemm.linear(torch.randn(1, 4), w, None, "sse4")
+    lacking = [isa for isa in ISAS if isa not in BF16_ISAS]
+    for isa in lacking:
+        with pytest.raises(RuntimeError, match="this CPU lacks"):
+            panel_gemm.linear(torch.randn(1, 4), w, None, isa)
+    if not AVX512:  # an AVX2 CPU: codes in panels are refused, not run on missing instructions
+        from pagedllm.layers import weight_only
+
+        codes = weight_only.in_panels(weight_only.quantize(torch.randn(16, 64), 8, 32))
+        with pytest.raises(RuntimeError, match="quantized panels need AVX-512F"):
+            weight_only.panel_linear(torch.randn(1, 64), codes, None)
+
+
+@pytest.mark.skipif(not AVX512, reason="no AVX-512F on this CPU: its kernels cannot run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k", [(1, 576), (3, 576), (6, 1536), (13, 576), (131, 6002)])
+def test_avx2_tiles_give_the_bits_of_the_avx512_kernels(dtype, rows, k):
+    """The AVX2 tiles run each output's sums in the AVX-512 kernels' order (one FMA a feature,
+    K in the same slices; bf16 the even feature of a pair, then the odd): the same bits, at
+    one row, a few, many and K in slices, with a bias and widened bf16 logits."""
+    torch.manual_seed(rows)
+    panels = panel_gemm.pack(torch.randn(96, k).to(dtype))
+    x, bias = torch.randn(rows, k).to(dtype), torch.randn(96).to(dtype)
+    for b in (None, bias):
+        assert torch.equal(panel_gemm.linear(x, panels, b, "avx2"),
+                           panel_gemm.linear(x, panels, b, "avx512"))  # fmt: skip
+    assert torch.equal(
+        panel_gemm.linear(x, panels, None, "avx2", out_dtype=torch.float32),
+        panel_gemm.linear(x, panels, None, "avx512", out_dtype=torch.float32),
+    )
 
 
 def _load(folder, dtype: str):
@@ -413,7 +450,11 @@ QUANT_SHAPES = [
 VNNI = panels_on_vnni()
 
 
-@pytest.mark.parametrize("dtype,isa,tol", [(torch.float32, "avx512", 1e-5)] + CASES[1:])
+@QUANT
+@pytest.mark.parametrize(
+    "dtype,isa,tol",
+    [(torch.float32, "avx512", 1e-5)] + [c for c in CASES if c[0] == torch.bfloat16][1:],
+)
 @pytest.mark.parametrize("bits,n,k,group", QUANT_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 64])  # <= 8: in registers, beyond: scratch
 def test_quantized_panel_products_match_the_dequantized_weight(dtype, isa, tol, bits, n, k,
@@ -554,6 +595,7 @@ def test_the_streaming_kernels_request_their_weight_ahead_into_l2():
         "tile_f32<",
         "tile_bf16_dp<",
         "tile_bf16_fma<",
+        "avx2_block<",
     )
     for kernel in kernels:
         bodies = kernel_bodies(library, kernel.replace(",", ", "))
@@ -570,18 +612,22 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
-def test_streaming_tiles_request_ahead_by_the_cpus_vendor_and_family():
+def test_streaming_tiles_request_ahead_by_the_cpus_vendor_family_and_dtype():
     """How far ahead a row tile streaming a float weight requests it, as CPUID gives the
-    kernel vendor and family, checked against /proc/cpuinfo's: none on AMD family 26 (Zen 5,
-    whose own prefetchers stream faster alone), 1 KB on older AMD cores, 2 KB elsewhere. The
+    kernel vendor, family and vector width, checked against /proc/cpuinfo's: none on AMD
+    family 26 (Zen 5, whose own prefetchers stream faster alone), 1 KB on older AMD cores but
+    none for float32 on those without AVX-512 (Zen 3's AVX2 tiles), 2 KB elsewhere. The
     products' bits are the same either way (the products' tests run this CPU's choice)."""
     vendor, family = _cpuinfo("vendor_id"), _cpuinfo("cpu family")
     if not family.isdigit():
         pytest.skip("no CPU family in /proc/cpuinfo")
-    expected = 2048
+    bf16 = fp32 = 2048
     if vendor == "AuthenticAMD":
-        expected = 0 if int(family) >= 26 else 1024
-    assert torch.ops.pagedllm_panel.stream_ahead_bytes() == expected
+        bf16 = 0 if int(family) >= 26 else 1024
+        fp32 = 0 if "avx512f" not in _cpuinfo("flags").split() else bf16
+    distance = torch.ops.pagedllm_panel.stream_ahead_bytes
+    assert (distance(), distance(dtype=torch.bfloat16)) == (fp32, bf16)
+    assert distance(dtype=torch.float32) == fp32
 
 
 def stack_stores_in_loops(body: str) -> list[str]:
@@ -609,7 +655,7 @@ def stack_stores_in_loops(body: str) -> list[str]:
         if math.match(text) and latches:
             end, start = min(latches)
             innermost.add((start, end))
-    spill = re.compile(r"^vmov\w+\s+%zmm\d+,.*\(%rsp\)")
+    spill = re.compile(r"^vmov\w+\s+%[yz]mm\d+,.*\(%rsp\)")
     return [t for start, end in sorted(innermost) for a, t in lines
             if start <= a <= end and spill.match(t)]  # fmt: skip
 
@@ -623,8 +669,8 @@ def test_the_micro_kernels_keep_their_sums_in_registers_across_the_k_loop():
     out: the kernels that run short of the 32 vector registers by design, the two-FMA bf16
     fallback and the fp32 unpacking of codes at 3-4 rows.)"""
     library = panel_library()
-    kernels = ("tile_f32<", "tile_bf16_dp<", "quant_tile_small<1,", "quant_tile_small<2,",
-               "quant_tile_vnni<")  # fmt: skip
+    kernels = ("tile_f32<", "tile_bf16_dp<", "avx2_block<", "quant_tile_small<1,",
+               "quant_tile_small<2,", "quant_tile_vnni<")  # fmt: skip
     for kernel in kernels:
         bodies = kernel_bodies(library, kernel.replace(",", ", "))
         assert bodies, f"no {kernel} in {library}"
@@ -632,6 +678,7 @@ def test_the_micro_kernels_keep_their_sums_in_registers_across_the_k_loop():
             assert stack_stores_in_loops(body) == [], f"{name} stores its sums every step"
 
 
+@QUANT
 def test_installed_weight_only_layers_keep_one_copy_in_panels(tiny_llama):
     from pagedllm.config import EngineArgs
     from pagedllm.layers import weight_only

@@ -9,8 +9,9 @@ call with a plain one (half their time on this project's models, benchmarks/comp
 
 :func:`pack_model` converts a loaded model's float linear layers, token embedding and LM
 head (a tied pair shares its panels: the embedding gathers its rows from them); where the CPU
-lacks AVX-512, the shape does not split into panels, or ``PAGEDLLM_CPU_PANEL_WEIGHTS=0``,
-weights stay plain.
+has neither AVX-512F nor AVX2 with FMA, the shape does not split into panels, or
+``PAGEDLLM_CPU_PANEL_WEIGHTS=0``, weights stay plain. On AVX2 the same panels run on 256-bit
+vectors; weight-only codes in panels (:func:`quantized_available`) need AVX-512F.
 """
 
 from __future__ import annotations
@@ -46,16 +47,24 @@ def load() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Whether this CPU runs the kernel (AVX-512F) and packing is not switched off."""
+    """Whether this CPU runs the kernel on float weights (AVX-512F, or AVX2 with FMA) and
+    packing is not switched off."""
     return (
         envs.PAGEDLLM_CPU_PANEL_WEIGHTS() and load() and bool(torch.ops.pagedllm_panel.available())
     )
 
 
 def isa() -> str:
-    """amx_bf16 | avx512_bf16 | avx512 | none: how the kernel multiplies on this CPU
-    (amx_bf16: bfloat16 products of more than 6 rows on AMX tiles, fewer on AVX512-BF16)."""
+    """amx_bf16 | avx512_bf16 | avx512 | avx2 | none: how the kernel multiplies on this CPU
+    (amx_bf16: bfloat16 products of more than 6 rows on AMX tiles, fewer on AVX512-BF16;
+    avx2: 256-bit vectors, bfloat16 widened to fp32)."""
     return torch.ops.pagedllm_panel.isa() if load() else "none"
+
+
+def quantized_available() -> bool:
+    """Whether weight-only int8 / int4 codes run in panels on this CPU (AVX-512F; on AVX2
+    they keep layers/weight_only.py's layout by rows)."""
+    return available() and isa() != "avx2"
 
 
 def amx_blocks() -> int:
@@ -145,7 +154,8 @@ def linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [..., K] W^T + bias with W in panels; x of the panels' dtype. isa: avx512 runs
-    bfloat16 without AVX512-BF16's dot product (default: the best this CPU has). out_dtype
+    bfloat16 without AVX512-BF16's dot product, avx2 on 256-bit vectors (default: the best
+    this CPU has; a CPU runs its own and those before it in that order). out_dtype
     float32 for bfloat16 x: the bfloat16 results widened, as ``.float()`` of them (logits)."""
     k = panels.shape[1] * panels.shape[2] // PANEL
     flat = x.reshape(-1, k)

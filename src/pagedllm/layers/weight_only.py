@@ -223,7 +223,9 @@ def by_rows(weight: PackedWeight) -> PackedWeight:
 def panels_run(weight: PackedWeight) -> bool:
     """Whether this CPU runs ``weight`` in panels: AVX-512, whole panels of 16 outputs."""
     n, _ = weight.shape
-    return weight.qweight.device.type == "cpu" and n % PANEL == 0 and panel_gemm.available()
+    return (
+        weight.qweight.device.type == "cpu" and n % PANEL == 0 and panel_gemm.quantized_available()
+    )
 
 
 def cpu_layout(weight: PackedWeight) -> PackedWeight:
@@ -300,7 +302,7 @@ def int8_activations() -> bool:
     """Whether weight-only layers run on int8 activations on this CPU: in panels on
     AVX512-VNNI / VBMI (panel_gemm.int8_activations, its switch), else by rows on AVX2 (this
     module's kernel). PAGEDLLM_CPU_INT8_ACTIVATIONS=0 turns both off."""
-    if panel_gemm.available():
+    if panel_gemm.quantized_available():
         return panel_gemm.int8_activations()
     return (
         envs.PAGEDLLM_CPU_INT8_ACTIVATIONS()

@@ -13,9 +13,11 @@
 // product per output (horizontal sums, the one-row GEMV of fused_ops.cpp) or a blocked copy
 // made per call (what BLAS does with an unpacked weight: half the speed at 8-64 rows here).
 //
-// Sums run in fp32 in a fixed order. Needs AVX-512F (checked at run time); bfloat16 uses
-// vdpbf16ps where the CPU has AVX512-BF16 and two FMAs per pair (exact bf16 -> fp32) where not.
-// layers/panel_gemm.py keeps the plain layout on a CPU without AVX-512.
+// Sums run in fp32 in a fixed order. Needs AVX-512F or AVX2 with FMA (checked at run time);
+// bfloat16 uses vdpbf16ps where the CPU has AVX512-BF16 and two FMAs per pair (exact bf16 ->
+// fp32) where not. On AVX2 the same panels and tiles run on 256-bit vectors ("AVX2 tiles").
+// Weight-only codes in panels ("quantized panels") need AVX-512F; layers/panel_gemm.py keeps
+// the plain layout on a CPU with neither.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -51,6 +53,8 @@ namespace {
 using pagedllm_cpu::balanced_for;
 #if PAGEDLLM_X86
 using pagedllm_cpu::bf16_round16;
+using pagedllm_cpu::bf16_round8;
+using pagedllm_cpu::bf16_round_bits8;
 using pagedllm_cpu::bf16_rounded_bits;
 #endif
 #if PAGEDLLM_X86 && defined(__GNUC__)
@@ -94,8 +98,9 @@ int64_t block_rows(int64_t m, int64_t panels, bool sliced) {
   return (tiles + blocks - 1) / blocks * kMaxMR;
 }
 
-// kAmxBf16: AVX512-BF16 and AMX-BF16 tiles (bfloat16 products of more than kMaxMR rows).
-enum class Isa { kNone = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmxBf16 = 3 };
+// kAvx2: AVX2 and FMA, no AVX-512F (float panels only); kAmxBf16: AVX512-BF16 and AMX-BF16
+// tiles (bfloat16 products of more than kMaxMR rows). Each CPU runs its own and those before.
+enum class Isa { kNone = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
 #if PAGEDLLM_X86 && defined(__GNUC__)
 // AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the tile data state granted to
@@ -112,7 +117,9 @@ bool detect_amx() {
 Isa detect() {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return Isa::kNone;
+  if (!__builtin_cpu_supports("avx512f"))
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::kAvx2
+                                                                           : Isa::kNone;
   if (!__builtin_cpu_supports("avx512bf16")) return Isa::kAvx512;
   return detect_amx() ? Isa::kAmxBf16 : Isa::kAvx512Bf16;
 #else
@@ -141,6 +148,9 @@ struct Tile {
   int64_t k0, k1;
   bool first, last;
   bool dp;           // bfloat16: vdpbf16ps (AVX512-BF16), else two FMAs per pair
+  bool avx2;         // 256-bit vectors (a CPU without AVX-512F): the AVX2 tiles
+  const float* xf;   // AVX2, bfloat16: x widened to fp32 (rows of xfs), read in its place
+  int64_t xfs;
   const T* w_end;    // one row tile (streaming): the end of the weight's panels, else null
   int64_t stream_ahead;  // streaming: bytes each panel is requested ahead (panel_ahead_bytes)
   // Many rows: lines of the next panel group's slice this tile requests (Ahead), or none.
@@ -184,13 +194,20 @@ inline void ahead_share(Tile<T>& t, int64_t i, int64_t tiles, int64_t lines) {
 // 30-60 pairs each), 1 KB against 2 KB: fp32 1.13x (37 of 40 pairs faster), bf16 1.02x; against
 // 512 B 1.02x / 1.04x, against 1.5 KB (fp32) 1.12x, against none 1.04x / 1.06x. The 120 one-row
 // fp32 layer products alone ran 2 KB ahead at 32-37 GB/s where the read bandwidth reached 53,
-// 1 KB ahead at 39-43. Zen 3's AVX2 GEMV found 1 KB best too (kGemvAheadBytes, fused_ops.cpp).
+// 1 KB ahead at 39-43. Zen 3's AVX2 GEMV found 1 KB best for bf16 too (kGemvAheadBytes,
+// fused_ops.cpp).
 // Zen 5 (AMD family 26) streams faster with no requests at all: a one-row fp32 panel product's
 // read pattern (four panels side by side, two threads, 512 MB), every variant in turn in one
 // process, five runs of 12 rounds on a 2-core Zen 5 guest: none against 1 KB ahead 1.07-1.23x
 // (medians 61.6 / 49.9, 39.8 / 36.3, 44.3 / 40.4 GB/s on 2 MB pages, 37.8 / 35.4 on 4 KB
 // pages), and 2 or 4 KB ahead no better than 1 KB (benchmarks/stream_ahead.py, which also
 // switches a decoding engine's distance every few steps).
+// AMD cores without AVX-512 (Zen 3 and before, the AVX2 tiles) stream float32 with no requests
+// and bfloat16 1 KB ahead: SmolLM2 decoding one row on a 2-core Zen 3 guest, the distance
+// switched every 33 steps in one process (benchmarks/stream_ahead.py --model), float32 15.02 ms
+// a step with none against 15.50 at 1 KB (none faster in 11 of 15 block pairs), bfloat16 9.27
+// at 1 KB against 9.73 with none (12 of 15); Zen 3's AVX2 GEMV had found the same (BENCHMARKS.md
+// round twenty-three).
 // The kernels take the distance as a template argument: as a value from the tile, one more
 // live integer made GCC spill a tile's vectors inside its loop over K.
 constexpr int64_t kPanelAheadShort = 1024, kPanelAheadLong = 2048;
@@ -203,17 +220,30 @@ int cpu_family() {
   return base == 0xf ? base + int((eax >> 20) & 0xff) : base;
 }
 
-// This CPU's distance, or the one a benchmark set (stream_ahead_bytes) to compare them.
-std::atomic<int64_t>& panel_ahead() {
-  static std::atomic<int64_t> bytes{[] {
+// This CPU's distance for float32 or bfloat16 weights.
+int64_t cpu_ahead_bytes(bool fp32) {
+  static const int64_t bytes[2] = {[] {  // bfloat16, float32
     __builtin_cpu_init();
     if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
     return cpu_family() >= 26 ? int64_t(0) : kPanelAheadShort;
+  }(), [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
+    return cpu_family() >= 26 || cpu_isa() == Isa::kAvx2 ? int64_t(0) : kPanelAheadShort;
   }()};
+  return bytes[fp32];
+}
+
+// The distance a benchmark set for both dtypes (stream_ahead_bytes) to compare them, or -1.
+std::atomic<int64_t>& panel_ahead() {
+  static std::atomic<int64_t> bytes{-1};
   return bytes;
 }
 
-int64_t panel_ahead_bytes() { return panel_ahead().load(std::memory_order_relaxed); }
+int64_t panel_ahead_bytes(bool fp32) {
+  const int64_t set = panel_ahead().load(std::memory_order_relaxed);
+  return set >= 0 ? set : cpu_ahead_bytes(fp32);
+}
 
 // A tile of many rows requests its share of the next panel group's lines (Tile::ahead), spread
 // over its steps of K: line i is step i / nr of panel i % nr. The first row tile of a group
@@ -440,12 +470,158 @@ __attribute__((target("avx512f"))) void tile_bf16_fma(const Tile<at::BFloat16>& 
   store_acc<MR, NR>(t, acc);
 }
 
+// ---- AVX2 tiles (a CPU without AVX-512F) -----------------------------------------------------
+// The same panels and row tiles on 256-bit vectors: a panel's 16 outputs are two vectors, so
+// an MR x NR tile's 2 * MR * NR sums would outgrow AVX2's 16 registers. A tile runs as blocks
+// of PB panels (MR * PB <= 6: 12 sums, a panel's two weight vectors and a broadcast of x),
+// each block over the tile's slice of K. The blocks read disjoint panels, so a row tile that
+// streams the weight still reads it once, PB panels side by side. bfloat16 pairs widen as in
+// tile_bf16_fma (the even feature by a shift, the odd one by a mask), against x widened to
+// fp32 once a call (Tile::xf): one broadcast per feature and row.
+template <int MR, int PB, typename T>
+__attribute__((target("avx2,fma"))) inline void avx2_load_acc(const Tile<T>& t, int j0,
+                                                              __m256 (&acc)[MR][2 * PB]) {
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 12
+    for (int h = 0; h < 2 * PB; ++h) {
+      const int64_t at = i * t.ys + j0 * kPanel + h * 8;
+      if (t.first) {
+        acc[i][h] = t.bias != nullptr ? _mm256_loadu_ps(t.bias + j0 * kPanel + h * 8)
+                                      : _mm256_setzero_ps();
+      } else if constexpr (std::is_same_v<T, float>) {
+        acc[i][h] = _mm256_loadu_ps(t.y + at);
+      } else {
+        acc[i][h] = _mm256_loadu_ps(t.acc + at);
+      }
+    }
+}
+
+template <int MR, int PB, typename T>
+__attribute__((target("avx2,fma"))) inline void avx2_store_acc(const Tile<T>& t, int j0,
+                                                               const __m256 (&acc)[MR][2 * PB]) {
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 12
+    for (int h = 0; h < 2 * PB; ++h) {
+      const int64_t at = i * t.ys + j0 * kPanel + h * 8;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm256_storeu_ps(t.y + at, acc[i][h]);
+      } else if (t.last && t.yf != nullptr) {  // the bf16 value, widened
+        const __m256i bits = _mm256_slli_epi32(bf16_round_bits8(acc[i][h]), 16);
+        _mm256_storeu_ps(t.yf + at, _mm256_castsi256_ps(bits));
+      } else if (t.last) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(t.y + at), bf16_round8(acc[i][h]));
+      } else {
+        _mm256_storeu_ps(t.acc + at, acc[i][h]);
+      }
+    }
+}
+
+// One step of K of a block of PB panels from w: float32 weights against x of rows xs apart.
+template <int MR, int PB>
+__attribute__((target("avx2,fma"))) ALWAYS_INLINE_PANEL void avx2_step(
+    const float* w, int64_t panel, const float* x, int64_t xs, int64_t k,
+    __m256 (&acc)[MR][2 * PB]) {
+#pragma GCC unroll 12
+  for (int j = 0; j < PB; ++j) {
+    const __m256 b0 = _mm256_loadu_ps(w + j * panel + k * kPanel);
+    const __m256 b1 = _mm256_loadu_ps(w + j * panel + k * kPanel + 8);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * xs + k);
+      acc[i][2 * j] = _mm256_fmadd_ps(a, b0, acc[i][2 * j]);
+      acc[i][2 * j + 1] = _mm256_fmadd_ps(a, b1, acc[i][2 * j + 1]);
+    }
+  }
+}
+
+// bfloat16 pairs: the even feature of every panel against x's, then the odd one.
+template <int MR, int PB>
+__attribute__((target("avx2,fma"))) ALWAYS_INLINE_PANEL void avx2_step(
+    const at::BFloat16* w, int64_t panel, const float* x, int64_t xs, int64_t k,
+    __m256 (&acc)[MR][2 * PB]) {
+  const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+#pragma GCC unroll 2
+  for (int odd = 0; odd < 2; ++odd)
+#pragma GCC unroll 12
+    for (int j = 0; j < PB; ++j) {
+      const at::BFloat16* pair = w + j * panel + k * 2 * kPanel;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 16));
+      const __m256 b0 =
+          _mm256_castsi256_ps(odd ? _mm256_and_si256(v0, high) : _mm256_slli_epi32(v0, 16));
+      const __m256 b1 =
+          _mm256_castsi256_ps(odd ? _mm256_and_si256(v1, high) : _mm256_slli_epi32(v1, 16));
+#pragma GCC unroll 12
+      for (int i = 0; i < MR; ++i) {
+        const __m256 a = _mm256_broadcast_ss(x + i * xs + 2 * k + odd);
+        acc[i][2 * j] = _mm256_fmadd_ps(a, b0, acc[i][2 * j]);
+        acc[i][2 * j + 1] = _mm256_fmadd_ps(a, b1, acc[i][2 * j + 1]);
+      }
+    }
+}
+
+// Panels [j0, j0 + PB) of tile t over its slice of K, the tile's share of the next group's
+// lines requested a batch of steps at a time (as tile_bf16_dp does).
+template <int MR, int PB, int64_t AHEAD, typename T>
+__attribute__((target("avx2,fma"))) void avx2_block(const Tile<T>& t, int j0, Ahead<T>& ahead) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  constexpr int64_t kWidth = kFloat ? kPanel : 2 * kPanel;  // elements a step of K
+  __m256 acc[MR][2 * PB];
+  avx2_load_acc<MR, PB>(t, j0, acc);
+  Tile<T> block = t;  // the block's panels, for prefetch_panels
+  block.w = t.w + j0 * t.panel;
+  const float* x;
+  int64_t xs;
+  if constexpr (kFloat) {
+    x = t.x, xs = t.xs;
+  } else {
+    x = t.xf, xs = t.xfs;
+  }
+  const T* w = block.w;
+  const int64_t panel = t.panel, batch = ahead.batch_steps(t.k1 - t.k0);
+  for (int64_t c = t.k0; c < t.k1; c += batch) {
+    const int64_t c1 = std::min(t.k1, c + batch);
+    ahead.advance(c1 - c);
+    for (int64_t k = c; k < c1; ++k) {
+      prefetch_panels<AHEAD, T, PB>(block, k, kWidth);
+      avx2_step<MR, PB>(w, panel, x, xs, k, acc);
+    }
+  }
+  avx2_store_acc<MR, PB>(t, j0, acc);
+}
+
+template <int MR, int NR, int PB, int64_t AHEAD, typename T>
+inline void avx2_blocks(const Tile<T>& t, int j0, Ahead<T>& ahead) {
+  if constexpr (NR > 0) {
+    constexpr int now = PB < NR ? PB : NR;
+    avx2_block<MR, now, AHEAD, T>(t, j0, ahead);
+    avx2_blocks<MR, NR - now, PB, AHEAD>(t, j0 + now, ahead);
+  }
+}
+
+template <int MR, int NR, int64_t AHEAD, typename T>
+void tile_avx2(const Tile<T>& t) {
+  // bfloat16 at 2-3 rows: 2 and 1 panels (4-6 sums), since the widened weights of 3 and 2
+  // panels took registers from the sums (GCC kept them on the stack)
+  constexpr int kSums = std::is_same_v<T, float> || MR == 1 || MR > 3 ? 6 : 4;
+  constexpr int PB = kSums / MR < 1 ? 1 : kSums / MR;
+  claim_outputs<MR, NR>(t);
+  Ahead<T> ahead(t, std::is_same_v<T, float> ? kPanel : 2 * kPanel);
+  avx2_blocks<MR, NR, PB, AHEAD>(t, 0, ahead);
+}
+
 template <int MR, int NR, int64_t AHEAD>
-void tile_ahead(const Tile<float>& t) { tile_f32<MR, NR, AHEAD>(t); }
+void tile_ahead(const Tile<float>& t) {
+  if (t.avx2) tile_avx2<MR, NR, AHEAD>(t); else tile_f32<MR, NR, AHEAD>(t);
+}
 
 template <int MR, int NR, int64_t AHEAD>
 void tile_ahead(const Tile<at::BFloat16>& t) {
-  if (t.dp) tile_bf16_dp<MR, NR, AHEAD>(t); else tile_bf16_fma<MR, NR, AHEAD>(t);
+  if (t.avx2) tile_avx2<MR, NR, AHEAD>(t);
+  else if (t.dp) tile_bf16_dp<MR, NR, AHEAD>(t);
+  else tile_bf16_fma<MR, NR, AHEAD>(t);
 }
 
 // The stream distance of this call (panel_ahead_bytes) as the kernels' template argument; 0
@@ -645,23 +821,26 @@ void amx_panels(const at::Tensor& xp, int64_t m, const at::Tensor& w, const floa
 }
 
 // Panels [p0, p1) of y for rows [r0, r1): K in slices that keep a panel group's weight in L2,
-// each slice over every group of kMaxNR panels and every tile of kMaxMR rows.
+// each slice over every group of kMaxNR panels and every tile of kMaxMR rows. AVX2 tiles where
+// avx2 (xf: a bfloat16 x widened to fp32, [M, K]).
 template <typename T>
 void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y,
-            float* acc, bool dp, int64_t p0, int64_t p1, int64_t r0, int64_t r1,
-            int64_t after = -1) {
+            float* acc, bool dp, bool avx2, const float* xf, int64_t p0, int64_t p1, int64_t r0,
+            int64_t r1, int64_t after = -1) {
   const int64_t m = x.size(0), steps = w.size(1), width = w.size(2);  // width: 16 or 32
   const int64_t panel = steps * width;
   const int64_t slice = slice_steps(m, steps, width, sizeof(T));
   Tile<T> t{};
   t.dp = dp;
+  t.avx2 = avx2;
+  t.xfs = x.size(1);
   t.xs = x.stride(0);
   t.panel = panel;
   t.ys = y.stride(0);
   // the prefetch runs on past p1: a thread's next chunk is the group after (balanced_for)
   if (m <= kMaxMR) {
     t.w_end = w.data_ptr<T>() + w.size(0) * panel;
-    t.stream_ahead = panel_ahead_bytes();
+    t.stream_ahead = panel_ahead_bytes(std::is_same_v<T, float>);
   }
   int64_t requested = 0;  // lines requested a group ahead (ahead_lines(), counted once a call)
   for (int64_t k0 = 0; k0 < steps; k0 += slice) {
@@ -692,6 +871,7 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
         const int mr = int(std::min<int64_t>(kMaxMR, r1 - r));
         ahead_share(t, (r - r0) / kMaxMR, tiles, lines);
         t.x = x.data_ptr<T>() + r * t.xs;
+        t.xf = xf != nullptr ? xf + r * t.xfs : nullptr;
         point_output(t, y, r, p);
         t.acc = acc != nullptr ? acc + r * t.ys + p * kPanel : nullptr;
         tile_any<T>(mr, nr, t);
@@ -1282,14 +1462,16 @@ Isa isa_from_name(const std::string& name) {
   if (name == "amx_bf16") return Isa::kAmxBf16;
   if (name == "avx512_bf16") return Isa::kAvx512Bf16;
   if (name == "avx512") return Isa::kAvx512;
-  TORCH_CHECK(false, "panel_linear: isa is amx_bf16, avx512_bf16 or avx512, not ", name);
+  if (name == "avx2") return Isa::kAvx2;
+  TORCH_CHECK(false, "panel_linear: isa is amx_bf16, avx512_bf16, avx512 or avx2, not ", name);
 }
 
 const char* isa_needs(Isa isa) {
   switch (isa) {
     case Isa::kAmxBf16: return "AMX-BF16 (or the tile state from the kernel)";
     case Isa::kAvx512Bf16: return "AVX512-BF16";
-    default: return "AVX-512F";
+    case Isa::kAvx512: return "AVX-512F";
+    default: return "AVX2 and FMA";
   }
 }
 
@@ -1351,11 +1533,17 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     });
     return widen ? y.to(at::kFloat) : y;
   }
+  const bool avx2 = use == Isa::kAvx2;
+  // AVX2 reads a bfloat16 x widened to fp32, made once here (every panel group reads it)
+  const bool widened = avx2 && x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = widened ? x.to(at::kFloat) : at::Tensor();
+  const float* xfp = xf.defined() ? xf.data_ptr<float>() : nullptr;
   const auto run = [&](int64_t p0, int64_t p1, int64_t r0, int64_t r1, int64_t after) {
     if (x.scalar_type() == at::kFloat)
-      panels<float>(x, w, bp, y, nullptr, false, p0, p1, r0, r1, after);
+      panels<float>(x, w, bp, y, nullptr, false, avx2, nullptr, p0, p1, r0, r1, after);
     else
-      panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, p0, p1, r0, r1, after);
+      panels<at::BFloat16>(x, w, bp, y, ap, use >= Isa::kAvx512Bf16, avx2, xfp, p0, p1, r0, r1,
+                           after);
   };
   const int64_t rows = block_rows(m, w.size(0), sliced), blocks = (m + rows - 1) / rows;
   if (blocks == 1) {
@@ -1395,6 +1583,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(!want_vnni || cpu_has_vnni(),
               "quant_panel_linear: this CPU lacks AVX512-VNNI / VBMI");
   const Isa use = want_vnni ? cpu_isa() : isa_to_run(isa, "quant_panel_linear");
+  TORCH_CHECK(use >= Isa::kAvx512, "quant_panel_linear: quantized panels need AVX-512F");
   const int parts = residual ? 2 : 1;
   const bool vnni =
       every_row || (want_vnni && x.size(0) <= (residual ? kResidualRows : kVnniRows));
@@ -1534,16 +1723,17 @@ int64_t row_blocks() { return row_block_count.load(); }
 int64_t ahead_lines() { return ahead_line_count.load(); }
 int64_t int8_rows() { return int8_row_count.load(); }
 
-// Bytes ahead a row tile streaming a float weight requests each panel (0: none): this CPU's
-// choice, or `bytes` (0, 1,024 or 2,048) from now on where given (benchmarks/stream_ahead.py).
-int64_t stream_ahead_bytes(c10::optional<int64_t> bytes) {
+// Bytes ahead a row tile streaming a float weight of `dtype` (default float32) requests each
+// panel (0: none): this CPU's choice, or `bytes` (0, 1,024 or 2,048) for both dtypes from now
+// on where given (benchmarks/stream_ahead.py).
+int64_t stream_ahead_bytes(c10::optional<int64_t> bytes, c10::optional<at::ScalarType> dtype) {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   if (bytes.has_value()) {
     TORCH_CHECK(*bytes == 0 || *bytes == kPanelAheadShort || *bytes == kPanelAheadLong,
                 "stream_ahead_bytes: 0, ", kPanelAheadShort, " or ", kPanelAheadLong);
     panel_ahead().store(*bytes, std::memory_order_relaxed);
   }
-  return panel_ahead_bytes();
+  return panel_ahead_bytes(!dtype.has_value() || *dtype != at::kBFloat16);
 #else
   return 0;
 #endif
@@ -1582,6 +1772,7 @@ std::string isa() {
     case Isa::kAmxBf16: return "amx_bf16";
     case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
     default: return "none";
   }
 }
@@ -1690,5 +1881,5 @@ TORCH_LIBRARY(pagedllm_panel, m) {
   m.def("row_blocks() -> int", &row_blocks);
   m.def("ahead_lines() -> int", &ahead_lines);
   m.def("int8_rows() -> int", &int8_rows);
-  m.def("stream_ahead_bytes(int? bytes=None) -> int", &stream_ahead_bytes);
+  m.def("stream_ahead_bytes(int? bytes=None, ScalarType? dtype=None) -> int", &stream_ahead_bytes);
 }
