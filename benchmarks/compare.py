@@ -130,13 +130,18 @@ def _per_call(seconds: float, fn, *args: object) -> float:  # noqa: ANN001
 def _float_gemm(seconds: float, x: torch.Tensor, w: torch.Tensor) -> float:
     """Seconds per call of the fastest float product torch offers at this shape: F.linear
     (MKL or oneDNN) or oneDNN with the weight prepacked for it (what inductor's freezing
-    uses), whichever wins; at one row also pagedllm's C++ GEMV."""
+    uses, where oneDNN prepacks this dtype on this CPU: not bf16 without AVX-512), whichever
+    wins; at one row also pagedllm's C++ GEMV."""
     from pagedllm.layers import cpu_fused
 
     best = _per_call(seconds, F.linear, x, w)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
-    pointwise = torch.ops.mkldnn._linear_pointwise
-    best = min(best, _per_call(seconds, pointwise, x, packed, None, "none", [], ""))
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+    except RuntimeError:
+        packed = None
+    if packed is not None:
+        pointwise = torch.ops.mkldnn._linear_pointwise
+        best = min(best, _per_call(seconds, pointwise, x, packed, None, "none", [], ""))
     if x.shape[0] == 1 and cpu_fused.load():
         best = min(best, _per_call(seconds, cpu_fused.gemv, x, w, None))
     return best

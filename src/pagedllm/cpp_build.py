@@ -1,6 +1,6 @@
 """Building and loading pagedllm's C++ op libraries (attention/csrc, layers/csrc): one place.
 
-torch.utils.cpp_extension compiles a library once into the torch extensions cache (10-20 s
+torch.utils.cpp_extension compiles a library once into the torch extensions cache (10-40 s
 of one core; a log line says so while it runs). Every library compiles with
 :data:`SHARED_HEADERS` (pagedllm/csrc: the work split, the bf16 rounding and the cache-line
 requests the libraries share) on its include path. The build is named after the source's
@@ -83,7 +83,7 @@ def _compile(name: str, folder: Path, cflags: list[str], source: Path, what: str
     from torch.utils import cpp_extension
 
     logger.warning(
-        "compiling the %s for this machine (once; 10-20 s of one core, longer on a busy "
+        "compiling the %s for this machine (once; 10-40 s of one core, longer on a busy "
         "machine) into %s",
         what,
         folder,
