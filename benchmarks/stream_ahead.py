@@ -11,9 +11,9 @@ setting alike:
   (two threads, static halves), four panels side by side as the kernel streams them, or one
   or two or eight, with no requests or requests 1, 2 or 4 KB ahead; every variant in turn, 12
   rounds, GB/s.
-* ``--model``: a decoding engine. One request decodes; every ``--block`` steps the distance
-  switches to the next setting; the median step time of each setting's blocks and how many
-  block pairs each won.
+* ``--model``: a decoding engine. One request (or ``--users`` at once, the products' rows)
+  decodes; every ``--block`` steps the distance switches to the next setting; the median step
+  time of each setting's blocks and how many block pairs each won.
 
     python benchmarks/stream_ahead.py --pattern [--k 576]
     python benchmarks/stream_ahead.py --model ~/.cache/pagedllm/smollm2-135m-instruct/hf-fp32 \\
@@ -138,10 +138,12 @@ def pattern(k: int, rounds: int) -> None:
               f"| {PATTERN_BYTES / min(s) / 1e9:.1f} |")  # fmt: skip
 
 
-def engine(model: str, dtype: str, settings: list[int], steps: int, block: int) -> None:
+def engine(
+    model: str, dtype: str, settings: list[int], steps: int, block: int, users: int = 1
+) -> None:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_num_seqs=1)
+    llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_num_seqs=users)
     eng = llm.llm_engine
     choose = torch.ops.pagedllm_panel.stream_ahead_bytes
     print(f"this CPU's distance: float32 {choose()} bytes, bfloat16 "
@@ -152,14 +154,19 @@ def engine(model: str, dtype: str, settings: list[int], steps: int, block: int) 
     for b in range(steps // block):
         setting = settings[b % len(settings)]
         choose(setting)
-        eng.add_request(str(b), {"prompt_token_ids": prompt}, params)
-        eng.step()  # the prompt
+        for u in range(users):
+            eng.add_request(f"{b}-{u}", {"prompt_token_ids": prompt[u:] + prompt[:u]}, params)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or (
+            eng.scheduler.waiting
+        ):
+            eng.step()  # the prompts
         start = time.perf_counter()
         while eng.has_unfinished_requests():
             eng.step()
         blocks[setting].append((time.perf_counter() - start) / (block - 1))
     base = settings[0]
-    print(f"{model} ({dtype}), one user, {block - 1} decode steps a block")
+    who = "one user" if users == 1 else f"{users} users at once"
+    print(f"{model} ({dtype}), {who}, {block - 1} decode steps a block")
     print("| bytes ahead | blocks | median ms a step | blocks faster than the first setting's "
           "beside it |\n|---:|---:|---:|---:|")  # fmt: skip
     for s, times in blocks.items():
@@ -179,6 +186,8 @@ def main() -> None:
                     help="--model: the distances to take turns with, bytes")  # fmt: skip
     ap.add_argument("--steps", type=int, default=2048, help="--model: decode steps in all")
     ap.add_argument("--block", type=int, default=33, help="--model: tokens a block decodes")
+    ap.add_argument("--users", type=int, default=1,
+                    help="--model: requests decoding at once (rows of each product)")  # fmt: skip
     args = ap.parse_args()
     if not args.pattern and not args.model:
         ap.error("--pattern or --model")
@@ -187,7 +196,7 @@ def main() -> None:
     if args.pattern:
         pattern(args.k, args.rounds)
     if args.model:
-        engine(args.model, args.dtype, args.settings, args.steps, args.block)
+        engine(args.model, args.dtype, args.settings, args.steps, args.block, args.users)
     print(f"{load_average()} at the end")
 
 

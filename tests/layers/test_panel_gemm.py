@@ -616,8 +616,9 @@ def test_streaming_tiles_request_ahead_by_the_cpus_vendor_family_and_dtype():
     """How far ahead a row tile streaming a float weight requests it, as CPUID gives the
     kernel vendor, family and vector width, checked against /proc/cpuinfo's: none on AMD
     family 26 (Zen 5, whose own prefetchers stream faster alone), 1 KB on older AMD cores but
-    none for float32 on those without AVX-512 (Zen 3's AVX2 tiles), 2 KB elsewhere. The
-    products' bits are the same either way (the products' tests run this CPU's choice)."""
+    none for one row of float32 on those without AVX-512 (Zen 3's AVX2 tiles; several rows
+    take bf16's distance), 2 KB elsewhere. The products' bits are the same either way (the
+    products' tests run this CPU's choice)."""
     vendor, family = _cpuinfo("vendor_id"), _cpuinfo("cpu family")
     if not family.isdigit():
         pytest.skip("no CPU family in /proc/cpuinfo")

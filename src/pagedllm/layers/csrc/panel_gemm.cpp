@@ -202,12 +202,13 @@ inline void ahead_share(Tile<T>& t, int64_t i, int64_t tiles, int64_t lines) {
 // (medians 61.6 / 49.9, 39.8 / 36.3, 44.3 / 40.4 GB/s on 2 MB pages, 37.8 / 35.4 on 4 KB
 // pages), and 2 or 4 KB ahead no better than 1 KB (benchmarks/stream_ahead.py, which also
 // switches a decoding engine's distance every few steps).
-// AMD cores without AVX-512 (Zen 3 and before, the AVX2 tiles) stream float32 with no requests
-// and bfloat16 1 KB ahead: SmolLM2 decoding one row on a 2-core Zen 3 guest, the distance
-// switched every 33 steps in one process (benchmarks/stream_ahead.py --model), float32 15.02 ms
-// a step with none against 15.50 at 1 KB (none faster in 11 of 15 block pairs), bfloat16 9.27
-// at 1 KB against 9.73 with none (12 of 15); Zen 3's AVX2 GEMV had found the same (BENCHMARKS.md
-// round twenty-three).
+// AMD cores without AVX-512 (Zen 3 and before, the AVX2 tiles) stream one float32 row with no
+// requests, and bfloat16 and several rows 1 KB ahead: SmolLM2 decoding on a 2-core Zen 3
+// guest, the distance switched every 33 steps in one process (benchmarks/stream_ahead.py
+// --model), one row of float32 15.02 ms a step with none against 15.50 at 1 KB (none faster in
+// 11 of 15 block pairs), bfloat16 9.27 at 1 KB against 9.73 with none (12 of 15), as Zen 3's
+// AVX2 GEMV had found (BENCHMARKS.md round twenty-three); 4 users at once (--users 4), 1 KB
+// against none: float32 20.04 against 21.72 ms, bfloat16 12.58 against 14.55 (16 of 16 each).
 // The kernels take the distance as a template argument: as a value from the tile, one more
 // live integer made GCC spill a tile's vectors inside its loop over K.
 constexpr int64_t kPanelAheadShort = 1024, kPanelAheadLong = 2048;
@@ -220,9 +221,9 @@ int cpu_family() {
   return base == 0xf ? base + int((eax >> 20) & 0xff) : base;
 }
 
-// This CPU's distance for float32 or bfloat16 weights.
-int64_t cpu_ahead_bytes(bool fp32) {
-  static const int64_t bytes[2] = {[] {  // bfloat16, float32
+// This CPU's distance for one row of float32 (fp32_row), else for any other stream.
+int64_t cpu_ahead_bytes(bool fp32_row) {
+  static const int64_t bytes[2] = {[] {  // any stream, one float32 row
     __builtin_cpu_init();
     if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
     return cpu_family() >= 26 ? int64_t(0) : kPanelAheadShort;
@@ -231,18 +232,18 @@ int64_t cpu_ahead_bytes(bool fp32) {
     if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
     return cpu_family() >= 26 || cpu_isa() == Isa::kAvx2 ? int64_t(0) : kPanelAheadShort;
   }()};
-  return bytes[fp32];
+  return bytes[fp32_row];
 }
 
-// The distance a benchmark set for both dtypes (stream_ahead_bytes) to compare them, or -1.
+// The distance a benchmark set for every stream (stream_ahead_bytes) to compare them, or -1.
 std::atomic<int64_t>& panel_ahead() {
   static std::atomic<int64_t> bytes{-1};
   return bytes;
 }
 
-int64_t panel_ahead_bytes(bool fp32) {
+int64_t panel_ahead_bytes(bool fp32_row) {
   const int64_t set = panel_ahead().load(std::memory_order_relaxed);
-  return set >= 0 ? set : cpu_ahead_bytes(fp32);
+  return set >= 0 ? set : cpu_ahead_bytes(fp32_row);
 }
 
 // A tile of many rows requests its share of the next panel group's lines (Tile::ahead), spread
@@ -840,7 +841,7 @@ void panels(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Ten
   // the prefetch runs on past p1: a thread's next chunk is the group after (balanced_for)
   if (m <= kMaxMR) {
     t.w_end = w.data_ptr<T>() + w.size(0) * panel;
-    t.stream_ahead = panel_ahead_bytes(std::is_same_v<T, float>);
+    t.stream_ahead = panel_ahead_bytes(std::is_same_v<T, float> && m == 1);
   }
   int64_t requested = 0;  // lines requested a group ahead (ahead_lines(), counted once a call)
   for (int64_t k0 = 0; k0 < steps; k0 += slice) {
@@ -1723,9 +1724,10 @@ int64_t row_blocks() { return row_block_count.load(); }
 int64_t ahead_lines() { return ahead_line_count.load(); }
 int64_t int8_rows() { return int8_row_count.load(); }
 
-// Bytes ahead a row tile streaming a float weight of `dtype` (default float32) requests each
-// panel (0: none): this CPU's choice, or `bytes` (0, 1,024 or 2,048) for both dtypes from now
-// on where given (benchmarks/stream_ahead.py).
+// Bytes ahead a row tile streaming one row against a float weight of `dtype` (default
+// float32) requests each panel (0: none; several rows take bfloat16's distance): this CPU's
+// choice, or `bytes` (0, 1,024 or 2,048) for every stream from now on where given
+// (benchmarks/stream_ahead.py).
 int64_t stream_ahead_bytes(c10::optional<int64_t> bytes, c10::optional<at::ScalarType> dtype) {
 #if PAGEDLLM_X86 && defined(__GNUC__)
   if (bytes.has_value()) {
