@@ -128,7 +128,8 @@ def main() -> None:
             for rows in args.rows:
                 ms = measure(weights, panels, rows)
                 rate = flops_per_row * rows / ms["panels"] / 1e6
-                share = min(t for t in (ms["plain"], ms["onednn"]) if t == t) / ms["panels"]
+                others = [t for t in (ms["plain"], ms["onednn"]) if not math.isnan(t)]
+                share = min(others) / ms["panels"]
                 cells = [str(dtype)[6:], label, rows, *(f"{ms[p]:.2f}" for p in ms)]
                 line = "| " + " | ".join(map(str, [*cells, f"{rate:.0f}", f"{share:.2f}x"])) + " |"
                 print(line, flush=True)

@@ -223,16 +223,10 @@ int cpu_family() {
 
 // This CPU's distance for one row of float32 (fp32_row), else for any other stream.
 int64_t cpu_ahead_bytes(bool fp32_row) {
-  static const int64_t bytes[2] = {[] {  // any stream, one float32 row
-    __builtin_cpu_init();
-    if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
-    return cpu_family() >= 26 ? int64_t(0) : kPanelAheadShort;
-  }(), [] {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_is("amd")) return kPanelAheadLong;
-    return cpu_family() >= 26 || cpu_isa() == Isa::kAvx2 ? int64_t(0) : kPanelAheadShort;
-  }()};
-  return bytes[fp32_row];
+  static const bool amd = (__builtin_cpu_init(), __builtin_cpu_is("amd"));
+  static const int64_t any =
+      !amd ? kPanelAheadLong : cpu_family() >= 26 ? int64_t(0) : kPanelAheadShort;
+  return fp32_row && amd && cpu_isa() == Isa::kAvx2 ? 0 : any;
 }
 
 // The distance a benchmark set for every stream (stream_ahead_bytes) to compare them, or -1.
