@@ -73,7 +73,7 @@ def test_avx2_rows_in_passes_of_four_equal_the_scalar_kernel_bit_for_bit(m: int)
     rescale rounds as the scalar loop does, so the outputs are equal, with and without a bias
     and with a partial last block (40 outputs)."""
     if "avx2" not in runnable_isas(63):
-        unavailable("this CPU has no AVX2")
+        pytest.skip("this CPU has no AVX2")
     torch.manual_seed(m)
     for n, bias in ((64, None), (40, torch.randn(40))):
         x = torch.randn(m, 130) * 3
@@ -132,7 +132,7 @@ def test_without_vnni_wide_activations_are_refused() -> None:
     q, scale = quantize_weight(torch.randn(16, 8))
     packed, rowsum = cpu_int8.pack(q)
     if "avx2" not in runnable_isas(63):
-        unavailable("this CPU has no AVX2")
+        pytest.skip("this CPU has no AVX2")
     with pytest.raises(RuntimeError, match="63"):
         cpu_int8.linear(torch.randn(1, 8), packed, rowsum, scale, 127, isa="avx2")
 
@@ -211,7 +211,7 @@ def test_many_rows_on_avx512_vnni_pass_two_weight_blocks_at_once_with_the_scalar
     after it requests that pair's lines (one a group of 4 inputs and block) while its passes
     run: 7 blocks, pairs 0-1 and 2-3 ask for 2-3 and 4-5; 3 blocks, none."""
     if "avx512_vnni" not in runnable_isas(127):
-        unavailable("this CPU has no AVX-512 VNNI")
+        pytest.skip("this CPU has no AVX-512 VNNI")
     torch.manual_seed(m)
     for n in (112, 40):
         x = torch.randn(m, 130) * 3
