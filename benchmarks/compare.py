@@ -77,14 +77,24 @@ PRECISIONS = {
     "int8": {"dtype": "float32", "quantization": "int8"},
 }
 # --real-model adds int8 with bf16 activations and LM head, and int8 with a bf16 KV cache (the
-# size of llama.cpp's default f16 cache; the 125M tables have no GEMM peak or weight bytes for
-# them)
+# size of llama.cpp's default f16 cache); int8 with an fp16 cache, llama.cpp's own cache type,
+# runs where --precisions names it. Both paths take every name.
 HF_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 REAL_PRECISIONS = {
     **PRECISIONS,
     "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"},
     "int8-kv-bf16": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"},
 }
+ALL_PRECISIONS = {
+    **REAL_PRECISIONS,
+    "int8-kv-fp16": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "float16"},
+}
+
+
+def products_of(prec: str) -> str:
+    """The PRECISIONS entry whose GEMM peak and weight bytes a precision's products have (a
+    KV cache's dtype or bf16 activations leave the int8 products int8)."""
+    return prec.split("-")[0]
 
 
 # ---- the model's shapes and costs ------------------------------------------------------------
@@ -411,7 +421,7 @@ class Engine:
 
 
 def real_model_engines(folder: Path, precisions: list[str], ggufs: list[Path]) -> list[Engine]:
-    engines = [Engine("pagedllm", p, folder, REAL_PRECISIONS[p]) for p in precisions]
+    engines = [Engine("pagedllm", p, folder, ALL_PRECISIONS[p]) for p in precisions]
     for path in ggufs:
         fmt = gguf_format(path)
         if fmt in GGUF_FLOAT_DTYPES:
@@ -863,7 +873,7 @@ def main() -> None:
         slots = max(len(make_workload(w, scale=scale)) for w in args.workloads)  # llama.cpp
         for _ in range(args.workload_rounds):
             for prec in args.precisions or list(PRECISIONS):
-                seconds, info = run_pagedllm(model, reqs, PRECISIONS[prec])
+                seconds, info = run_pagedllm(model, reqs, ALL_PRECISIONS[prec])
                 runs.setdefault(f"pagedllm {prec}", []).append(seconds)
                 row[f"pagedllm {prec} prefix hits"] = info["prefix_hits"]
                 print(f"[{name}] pagedllm {prec}: {row['output_tokens'] / seconds:.1f} out tok/s")
@@ -897,7 +907,7 @@ def main() -> None:
     for _ in range(args.batch1_rounds):
         for prec in args.precisions or list(PRECISIONS):
             prompt = make_workload("uniform", seed=1)[0].prompt[:128]
-            run = pagedllm_batch1(model, PRECISIONS[prec], prompt, 128)
+            run = pagedllm_batch1(model, ALL_PRECISIONS[prec], prompt, 128)
             rounds.setdefault(f"pagedllm {prec}", []).append(run)
         for gguf in args.gguf if args.llama_bench else []:
             run = llama_bench(args.llama_bench, gguf, args.threads, 128, 128)
@@ -939,6 +949,7 @@ def parse_args() -> argparse.Namespace:
         "--precisions",
         nargs="+",
         default=None,
+        choices=list(ALL_PRECISIONS),
         help="default: fp32 bf16 int8 (--real-model: and int8-bf16, int8-kv-bf16)",
     )
     ap.add_argument("--hf-batch-sizes", nargs="+", type=int, default=None)
@@ -1015,21 +1026,21 @@ def report(results: dict, model: Path) -> None:
             runs = " / ".join(f"{x:.2f}" for x in rounds)
             runs = f"  (runs: {runs} s)" if len(rounds) > 1 else ""
             print(f"  {k:22s} {out / row[k]:8.1f} out tok/s{runs}")
-        for prec in PRECISIONS:
+        for prec in ALL_PRECISIONS:
             key = f"pagedllm {prec}"
             if key not in row:
                 continue
             for ref in [k for k in engines if not k.startswith("pagedllm")]:
                 print(f"  {key} / {ref}: {row[ref] / row[key]:.2f}x")
             flops = _run_flops(row, prec)
-            peak = peaks["gemm_gflops"][prec][256]
+            peak = peaks["gemm_gflops"][products_of(prec)][256]
             rate = flops / row[key] / 1e9
             print(f"  {key} matmul {rate:.1f} GFLOP/s = {100 * rate / peak:.0f}% of the "
                   f"256-row GEMM rate ({peak:.1f})")  # fmt: skip
     print("\n[one user] 128 prompt + 128 output tokens")
     bytes_per = {"fp32": 4, "int8": 1, "f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
     for name, r in results["batch1"].items():
-        fmt = name.split()[-1]
+        fmt = products_of(name.split()[-1]) if name.startswith("pagedllm") else name.split()[-1]
         wbytes = weight_bytes_per_token(bytes_per.get(fmt, 4))
         bound = peaks["read_gb_s"] * 1e9 / wbytes
         tok_s = r["decode_tok_s"]
