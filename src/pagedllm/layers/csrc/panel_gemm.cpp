@@ -1529,10 +1529,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     return widen ? y.to(at::kFloat) : y;
   }
   const bool avx2 = use == Isa::kAvx2;
-  // AVX2 reads a bfloat16 x widened to fp32, made once here (every panel group reads it)
+  // AVX2 reads a bfloat16 x widened to fp32, made once here (every panel group reads it) in a
+  // buffer of this thread: a one-user step makes over a hundred of these calls, where a
+  // tensor's set-up (x.to) showed
   const bool widened = avx2 && x.scalar_type() == at::kBFloat16;
-  const at::Tensor xf = widened ? x.to(at::kFloat) : at::Tensor();
-  const float* xfp = xf.defined() ? xf.data_ptr<float>() : nullptr;
+  thread_local std::vector<float> xf;
+  if (widened) {
+    xf.resize(m * k);
+    float* const dst = xf.data();
+    const at::BFloat16* const src = x.data_ptr<at::BFloat16>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, m, std::max<int64_t>(1, (64 << 10) / k), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < k; ++i) dst[r * k + i] = float(src[r * stride + i]);
+    });
+  }
+  const float* xfp = widened ? xf.data() : nullptr;
   const auto run = [&](int64_t p0, int64_t p1, int64_t r0, int64_t r1, int64_t after) {
     if (x.scalar_type() == at::kFloat)
       panels<float>(x, w, bp, y, nullptr, false, avx2, nullptr, p0, p1, r0, r1, after);
