@@ -16,7 +16,7 @@
 // written. More rows (prefill, large decode batches): on AVX2 each thread dequantizes a slice of
 // weight rows into an fp32 scratch that stays in L2 and runs every row of x against it with its
 // own tile (a layer whose x is rounded to int8 for its few rows: the codes widened to int16
-// against x rounded to int16, from 5 rows on); elsewhere a slab of output rows at a time is
+// against x rounded to int16, past those rows); elsewhere a slab of output rows at a time is
 // dequantized into a scratch tile (straight into bf16 for a bf16 x where the CPU converts
 // natively) and multiplied with ATen's GEMM in x's dtype.
 //
@@ -321,8 +321,9 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 // which x's block constants are stored in and the weight's are permuted to.
 // Rows of x on int8 at most: "int8" 4, as the AVX-512 panels (at 8-16 rows it is 1.5x the fp32
 // x path on SmolLM2's products, a 2-core Zen 3, but a short prompt's prefill on int8 x turns
-// SmolLM2's answer to "What is the capital of France?" away from "Paris"); "int8_residual" 2
-// (at 4 as fast as fp32 x).
+// SmolLM2's answer to "What is the capital of France?" away from "Paris"); "int8_residual" 2.
+// Past them both forms take the int16 slices (the residual form at 3-4 rows 1.07-1.39x the
+// fp32 kernel by rows it took before, on SmolLM2's and the 125M model's shapes, a 2-core Zen 3).
 constexpr int64_t kInt8MaxRows = 4, kResidualMaxRows = 2;
 constexpr int64_t kAhead = 4;  // passes a prefetch runs ahead (int8_x_linear)
 
@@ -970,37 +971,78 @@ void round_rows_int16(const float* x, int64_t k, int64_t r0, int64_t r1, int16_t
 }
 
 // Weight rows [n0, n0 + rows) (rows <= 16) as one int16 panel [K / 2][16][2] and their
-// constants by block ([K / 32][16] scales, and offsets for int4), rows past the end zero;
-// by_rows: an int16 [16, K] scratch for the rows as they widen.
+// constants by block ([K / 32][16] scales, and offsets for int4), rows past the end zero. The
+// codes are transposed as bytes, a pair of features a 16-bit unit, and only then widened: half
+// the shuffles of widening each row and moving its 32-bit pairs, and no scratch in between.
 __attribute__((target("avx2,fma,f16c"))) void widen_panel_avx2(const Operands& w, int64_t n0,
-                                                               int64_t rows, int16_t* by_rows,
-                                                               int16_t* panel, float* scales,
-                                                               float* offsets) {
+                                                               int64_t rows, int16_t* panel,
+                                                               float* scales, float* offsets) {
   const int64_t blocks = w.k / kBlock;
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int64_t i = 0; i < kPanel; ++i) {
-    int16_t* dst = by_rows + i * w.k;
-    for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b > 0 && w.group_of[b] == w.group_of[b - 1]) {  // the block before's group: a copy
+      std::copy_n(scales + (b - 1) * kPanel, kPanel, scales + b * kPanel);
+      if (w.int4) std::copy_n(offsets + (b - 1) * kPanel, kPanel, offsets + b * kPanel);
+      continue;
+    }
+    for (int64_t i = 0; i < kPanel; ++i) {
       const int64_t c = (n0 + i) * w.groups + w.group_of[b];
       scales[b * kPanel + i] = i < rows ? constant(w.scale, c) : 0.0f;
       if (w.int4) offsets[b * kPanel + i] = i < rows ? constant(w.offset, c) : 0.0f;
-      __m256i lo = _mm256_setzero_si256(), hi = lo;
-      if (i < rows && w.int4) {  // features j and j + 16 share byte j
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block(n0 + i, b)));
-        lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble));
-        hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-      } else if (i < rows) {
-        const __m128i* src = reinterpret_cast<const __m128i*>(w.block(n0 + i, b));
-        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(src));
-        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * kBlock), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * kBlock + 16), hi);
     }
   }
-  // A pair of features is a 32-bit unit: the float transpose moves them as they are.
-  transpose_panel_avx2(reinterpret_cast<const float*>(by_rows), w.k / 2,
-                       reinterpret_cast<float*>(panel));
+  alignas(32) static const uint8_t zeros[kBlock] = {};
+  const uint8_t* src[kPanel];
+  const int64_t row_bytes = w.int4 ? w.k / 2 : w.k;
+  for (int64_t i = 0; i < kPanel; ++i) src[i] = i < rows ? w.q + (n0 + i) * row_bytes : nullptr;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  // The next panel's codes, a block's share of them a block: read block by block, a panel's
+  // 16 rows are 16 streams, more than the hardware's prefetch follows.
+  const int64_t share = kPanel * row_bytes / blocks;
+  const char* next = n0 + kPanel < w.n
+                         ? reinterpret_cast<const char*>(w.q + (n0 + kPanel) * row_bytes)
+                         : nullptr;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t j = 0; next != nullptr && j < share; j += 64)
+      _mm_prefetch(next + b * share + j, _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {  // features [16h, 16h + 16) of the block: 8 pairs
+      __m128i r[kPanel];  // each row's 16 codes as bytes
+      for (int64_t i = 0; i < kPanel; ++i) {
+        if (src[i] == nullptr) {
+          r[i] = _mm_load_si128(reinterpret_cast<const __m128i*>(zeros));
+        } else if (w.int4) {  // features j and j + 16 share byte j
+          const __m128i bytes =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i] + b * kBlock / 2));
+          r[i] = _mm_and_si128(h == 0 ? bytes : _mm_srli_epi16(bytes, 4), nibble);
+        } else {
+          r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i] + b * kBlock + 16 * h));
+        }
+      }
+      // rows i and i + 8 in the two lanes; an 8 x 8 transpose of 16-bit units in each lane
+      __m256i y[8], t[8];
+      for (int i = 0; i < 8; ++i) y[i] = _mm256_set_m128i(r[i + 8], r[i]);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi16(y[i], y[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi16(y[i], y[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        y[i] = _mm256_unpacklo_epi32(t[i], t[i + 2]);
+        y[i + 1] = _mm256_unpackhi_epi32(t[i], t[i + 2]);
+        y[i + 2] = _mm256_unpacklo_epi32(t[i + 1], t[i + 3]);
+        y[i + 3] = _mm256_unpackhi_epi32(t[i + 1], t[i + 3]);
+      }
+      for (int i = 0; i < 4; ++i) {  // pairs 2i and 2i + 1 from rows 0-3 and 4-7 of each lane
+        t[2 * i] = _mm256_unpacklo_epi64(y[i], y[i + 4]);
+        t[2 * i + 1] = _mm256_unpackhi_epi64(y[i], y[i + 4]);
+      }
+      int16_t* out = panel + (b * kBlock + 16 * h) * kPanel;  // pair 8h + p of the block
+      for (int p = 0; p < 8; ++p) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + p * 2 * kPanel),
+                           _mm256_cvtepi8_epi16(_mm256_castsi256_si128(t[p])));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + p * 2 * kPanel + kPanel),
+                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(t[p], 1)));
+      }
+    }
+  }
 }
 
 // Rows [r0, r0 + MR) of x by one int16 panel: y[r, 0..nr) of rows ldy apart. kOffsets: int4.
@@ -1067,16 +1109,15 @@ void int16_tile(int mr, const Int16X& x, int64_t r0, int64_t k, const int16_t* p
 }
 
 // Weight rows [n0, n1) (n0 a multiple of 16) for every row of x into y [M, N]; scratch: the
-// slice's panels and one panel's rows (int16), then the slice's constants (fp32).
+// slice's panels (int16), then the slice's constants (fp32).
 void int16_slices_avx2(const Operands& w, const Int16X& x, int64_t n0, int64_t n1,
                        int16_t* scratch, float* constants, float* y) {
   const int64_t k = w.k, blocks = k / kBlock, step = slice_panels(k, 2) * kPanel;
-  int16_t* by_rows = scratch + step * k;
   float* offsets = constants + step * blocks;
   for (int64_t s = n0; s < n1; s += step) {
     const int64_t e = std::min(n1, s + step);
     for (int64_t n = s; n < e; n += kPanel)
-      widen_panel_avx2(w, n, std::min(kPanel, e - n), by_rows, scratch + (n - s) * k,
+      widen_panel_avx2(w, n, std::min(kPanel, e - n), scratch + (n - s) * k,
                        constants + (n - s) * blocks, offsets + (n - s) * blocks);
     for (int64_t r = 0; r < w.m; r += 4) {
       const int mr = int(std::min<int64_t>(4, w.m - r));
@@ -1110,7 +1151,7 @@ at::Tensor int16_x_slice_linear(const at::Tensor& xf, const Operands& w) {
   at::Tensor y = at::empty({m, w.n}, xf.options());
   const int64_t panels = (w.n + kPanel - 1) / kPanel, step = slice_panels(k, 2);
   at::parallel_for(0, panels, step, [&](int64_t p0, int64_t p1) {
-    const at::Tensor scratch = at::empty({(step + 1) * kPanel * k}, q.options());  // aligned
+    const at::Tensor scratch = at::empty({step * kPanel * k}, q.options());  // aligned
     const at::Tensor constants = at::empty({2 * step * kPanel * blocks}, xf.options());
     int16_slices_avx2(w, x, p0 * kPanel, std::min(w.n, p1 * kPanel), scratch.data_ptr<int16_t>(),
                       constants.data_ptr<float>(), y.data_ptr<float>());
@@ -1204,9 +1245,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& qweight,
              m, n, k, group, bits == 4, k / group, group_of.data()};
   const int64_t int8_rows = residual ? kResidualMaxRows : kInt8MaxRows;
 #if PAGEDLLM_X86 && defined(__GNUC__)
-  // AVX2: slices beyond 8 rows, the int8 forms' (on int16 x) beyond 4: at 5-6 rows 1.1-1.9x
-  // the fp32 kernel by rows on SmolLM2's shapes, at 3 rows 0.84-1.07x (a 2-core Zen 3)
-  const bool slices = i == Isa::kAvx2 && m > (int8_x ? kInt8MaxRows : kSliceMinRows);
+  // AVX2: slices beyond 8 rows, the int8 forms' (on int16 x) beyond their rows by rows
+  const bool slices = i == Isa::kAvx2 && m > (int8_x ? int8_rows : kSliceMinRows);
 #else
   constexpr bool slices = false;
 #endif
