@@ -87,18 +87,26 @@ def test_rows_on_int8_x_match_rounded_x_and_residual_matches_fp32_x(bits, k, n, 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("k", "n", "group"), [(64, 33, 32), (576, 100, 32), (1536, 40, 1536),
                                                (288, 9, 96)])  # fmt: skip
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-constants", "fp16-constants"])
 def test_many_rows_on_int16_x_stay_within_its_rounding_and_do_not_depend_on_the_batch(
-    bits, k, n, group
+    bits, k, n, group, half
 ):
-    """Beyond 4 rows both int8 forms ("int8", "int8_residual") round each row of x to int16
-    per block of 32 and multiply the codes in int16 panels (where AVX2 is the best instruction
-    set; the next test has AVX-512's): within that rounding's
+    """Beyond their rows by rows (4 for "int8", 2 for "int8_residual") both int8 forms round
+    each row of x to int16 per block of 32 and multiply the codes in int16 panels (where AVX2
+    is the best instruction set; the next test has AVX-512's): within that rounding's
     bound (half a step of the block's largest |x| / 32767) of the float64 product, with int4
-    offsets and wider groups, a partial last panel (n % 16) and a partial tile of 4 rows. A
-    row's result is the same bits in any batch and at any place in it."""
+    offsets and wider groups, fp32 or fp16 constants (a GGUF file's), a partial last panel
+    (n % 16; 18 groups a row, 8 a transpose and 2 past them) and a partial tile of 4 rows. A
+    row's result is the same bits in any batch and at any place in it, from 3 rows in the
+    residual form."""
     torch.manual_seed(bits * k + n)
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
     packed = weight_only.quantize(w, bits, group)
+    if half:
+        packed = weight_only.PackedWeight(
+            bits, packed.qweight, packed.scale.half(),
+            None if packed.offset is None else packed.offset.half(),
+        )  # fmt: skip
     dense = packed.dequantize().double()
     x = torch.randn(41, k) * torch.logspace(-1, 1, k)
     block_max = x.abs().view(41, k // 32, 32).amax(-1, keepdim=True).expand(41, k // 32, 32)
@@ -109,7 +117,8 @@ def test_many_rows_on_int16_x_stay_within_its_rounding_and_do_not_depend_on_the_
         batch = weight_only.kernel_linear(x, packed, None, form)
         assert torch.all((batch.double() - exact).abs() <= bound + slack), form
         assert not torch.equal(batch, weight_only.kernel_linear(x, packed, None, "avx2"))
-        for rows in (slice(0, 5), slice(3, 14), slice(20, 41)):
+        three = (slice(30, 33),) if form == "int8_residual" else ()
+        for rows in (slice(0, 5), slice(3, 14), slice(20, 41), *three):
             alone = weight_only.kernel_linear(x[rows], packed, None, form)
             assert torch.equal(alone, batch[rows]), (form, rows)
 

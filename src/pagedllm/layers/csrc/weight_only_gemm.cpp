@@ -322,8 +322,9 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 // Rows of x on int8 at most: "int8" 4, as the AVX-512 panels (at 8-16 rows it is 1.5x the fp32
 // x path on SmolLM2's products, a 2-core Zen 3, but a short prompt's prefill on int8 x turns
 // SmolLM2's answer to "What is the capital of France?" away from "Paris"); "int8_residual" 2.
-// Past them both forms take the int16 slices (the residual form at 3-4 rows 1.07-1.39x the
-// fp32 kernel by rows it took before, on SmolLM2's and the 125M model's shapes, a 2-core Zen 3).
+// Past them both forms take the int16 slices (the residual form's int8 codes at 4 rows
+// 1.12-1.39x the fp32 kernel by rows it took before, at 3 rows 0.97-1.18x, on SmolLM2's and
+// the 125M model's shapes, a 2-core Zen 3).
 constexpr int64_t kInt8MaxRows = 4, kResidualMaxRows = 2;
 constexpr int64_t kAhead = 4;  // passes a prefetch runs ahead (int8_x_linear)
 
@@ -970,6 +971,33 @@ void round_rows_int16(const float* x, int64_t k, int64_t r0, int64_t r1, int16_t
   }
 }
 
+// A panel's constants by group, [groups][16] (the panel's row i in lane i, rows past `rows`
+// zero), from c [N, groups]: 8 rows by 8 groups a transpose, where a GGUF file's groups of 32
+// took two scalar loads a block and row.
+__attribute__((target("avx2,fma,f16c"))) void panel_constants_avx2(const Constants& c,
+                                                                   int64_t groups, int64_t n0,
+                                                                   int64_t rows, float* out) {
+  alignas(32) float tile[8][8];
+  for (int64_t h = 0; h < kPanel; h += 8) {
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      for (int64_t i = 0; i < 8; ++i) {
+        const int64_t at = (n0 + h + i) * groups + g;
+        __m256 v = _mm256_setzero_ps();
+        if (h + i < rows && c.half)
+          v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.f16() + at)));
+        else if (h + i < rows)
+          v = _mm256_loadu_ps(c.f32() + at);
+        _mm256_store_ps(tile[i], v);
+      }
+      transpose8_avx2(tile[0], 8, out + g * kPanel + h, kPanel);
+    }
+    for (; g < groups; ++g)
+      for (int64_t i = 0; i < 8; ++i)
+        out[g * kPanel + h + i] = h + i < rows ? constant(c, (n0 + h + i) * groups + g) : 0.0f;
+  }
+}
+
 // Weight rows [n0, n0 + rows) (rows <= 16) as one int16 panel [K / 2][16][2] and their
 // constants by block ([K / 32][16] scales, and offsets for int4), rows past the end zero. The
 // codes are transposed as bytes, a pair of features a 16-bit unit, and only then widened: half
@@ -978,17 +1006,12 @@ __attribute__((target("avx2,fma,f16c"))) void widen_panel_avx2(const Operands& w
                                                                int64_t rows, int16_t* panel,
                                                                float* scales, float* offsets) {
   const int64_t blocks = w.k / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (b > 0 && w.group_of[b] == w.group_of[b - 1]) {  // the block before's group: a copy
-      std::copy_n(scales + (b - 1) * kPanel, kPanel, scales + b * kPanel);
-      if (w.int4) std::copy_n(offsets + (b - 1) * kPanel, kPanel, offsets + b * kPanel);
-      continue;
-    }
-    for (int64_t i = 0; i < kPanel; ++i) {
-      const int64_t c = (n0 + i) * w.groups + w.group_of[b];
-      scales[b * kPanel + i] = i < rows ? constant(w.scale, c) : 0.0f;
-      if (w.int4) offsets[b * kPanel + i] = i < rows ? constant(w.offset, c) : 0.0f;
-    }
+  panel_constants_avx2(w.scale, w.groups, n0, rows, scales);
+  if (w.int4) panel_constants_avx2(w.offset, w.groups, n0, rows, offsets);
+  for (int64_t b = blocks - 1; w.groups < blocks && b >= 0; --b) {  // group_of[b] <= b
+    const int64_t g = w.group_of[b];
+    std::copy_n(scales + g * kPanel, kPanel, scales + b * kPanel);
+    if (w.int4) std::copy_n(offsets + g * kPanel, kPanel, offsets + b * kPanel);
   }
   alignas(32) static const uint8_t zeros[kBlock] = {};
   const uint8_t* src[kPanel];
