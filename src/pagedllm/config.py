@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.cpu_info import cpu_flags
 from pagedllm.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from pagedllm.generation_config import generation_config_folder
 from pagedllm.hf_config import model_kind
@@ -711,15 +712,7 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def default_kv_cache_bytes() -> int:

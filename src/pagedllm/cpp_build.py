@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import envs
+from pagedllm.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,7 @@ def arch_flags() -> list[str]:
 
 def _cpu_fingerprint() -> str:
     """Names the build after the instruction set: a shared cache never serves a foreign one."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = platform.processor()
-    flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), text)
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(cpu_flags_line().encode()).hexdigest()[:8]
 
 
 def _build_root() -> Path:

@@ -37,6 +37,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import decoding_step
 from pagedllm.config import QuantConfig
+from pagedllm.cpu_info import cpu_flags
 from pagedllm.layers import cpu_int8, panel_gemm, weight_only
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import (
@@ -172,12 +173,7 @@ class Int8Kernel:
 @functools.cache
 def _cpu_has_vnni() -> bool:
     """Whether the CPU multiplies u8 x s8 straight into int32 (AVX-512 VNNI, AVX-VNNI, AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 class OneDNNKernel(Int8Kernel):
