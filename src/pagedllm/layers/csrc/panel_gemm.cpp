@@ -1530,8 +1530,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   }
   const bool avx2 = use == Isa::kAvx2;
   // AVX2 reads a bfloat16 x widened to fp32, made once here (every panel group reads it) in a
-  // buffer of this thread: a one-user step makes over a hundred of these calls, where a
-  // tensor's set-up (x.to) showed
+  // buffer of this thread: a one-user step makes over a hundred of these calls, and a new
+  // tensor a call (x.to) cost 2.1-2.6 us of each (BENCHMARKS.md round forty-four)
   const bool widened = avx2 && x.scalar_type() == at::kBFloat16;
   thread_local std::vector<float> xf;
   if (widened) {

@@ -1014,10 +1014,8 @@ __attribute__((target("avx2,fma,f16c"))) void widen_panel_avx2(const Operands& w
     std::copy_n(scales + g * kPanel, kPanel, scales + b * kPanel);
     if (w.int4) std::copy_n(offsets + g * kPanel, kPanel, offsets + b * kPanel);
   }
-  alignas(32) static const uint8_t zeros[kBlock] = {};
-  const uint8_t* src[kPanel];
+  alignas(32) static const uint8_t zeros[kBlock] = {};  // a row past the end's block
   const int64_t row_bytes = w.int4 ? w.k / 2 : w.k;
-  for (int64_t i = 0; i < kPanel; ++i) src[i] = i < rows ? w.q + (n0 + i) * row_bytes : nullptr;
   const __m128i nibble = _mm_set1_epi8(0x0F);
   // The next panel's codes, a block's share of them a block: read block by block, a panel's
   // 16 rows are 16 streams, more than the hardware's prefetch follows.
@@ -1031,14 +1029,12 @@ __attribute__((target("avx2,fma,f16c"))) void widen_panel_avx2(const Operands& w
     for (int h = 0; h < 2; ++h) {  // features [16h, 16h + 16) of the block: 8 pairs
       __m128i r[kPanel];  // each row's 16 codes as bytes
       for (int64_t i = 0; i < kPanel; ++i) {
-        if (src[i] == nullptr) {
-          r[i] = _mm_load_si128(reinterpret_cast<const __m128i*>(zeros));
-        } else if (w.int4) {  // features j and j + 16 share byte j
-          const __m128i bytes =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i] + b * kBlock / 2));
+        const uint8_t* codes = i < rows ? w.block(n0 + i, b) : zeros;
+        if (w.int4) {  // features j and j + 16 share byte j
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
           r[i] = _mm_and_si128(h == 0 ? bytes : _mm_srli_epi16(bytes, 4), nibble);
         } else {
-          r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i] + b * kBlock + 16 * h));
+          r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * h));
         }
       }
       // rows i and i + 8 in the two lanes; an 8 x 8 transpose of 16-bit units in each lane
