@@ -3,9 +3,13 @@ instruction set this CPU runs, and against the oneDNN kernel it stands in for.""
 
 from __future__ import annotations
 
+import platform
+import shutil
+
 import pytest
 import torch
 from helpers.ci import unavailable
+from helpers.disassembly import kernel_bodies, loaded_library
 
 from pagedllm.layers import cpu_int8
 from pagedllm.layers.quantization import quantize_weight
@@ -82,6 +86,24 @@ def test_avx2_rows_in_passes_of_four_equal_the_scalar_kernel_bit_for_bit(m: int)
         scalar = cpu_int8.linear(x, packed, rowsum, scale, 63, bias, isa="scalar")
         got = cpu_int8.linear(x, packed, rowsum, scale, 63, bias, isa="avx2")
         assert torch.equal(got, scalar), (m, n)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+def test_one_and_two_row_avx2_kernels_request_their_weight_ahead_into_l2() -> None:
+    """A decode step's one or two rows stream the weight: on AVX2 without VNNI rows_avx2<1>
+    and <2> carry their request ahead (prefetcht1) in the built library, and the passes of
+    more rows, which read each block from L1 for their second pass, carry none; so do the
+    AVX-512 VNNI kernel's one and two rows. The products are the same bits with or without
+    it, so only the machine code shows it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 and AVX-512 kernels are x86's")
+    library = loaded_library("pagedllm_int8")
+    kernels = [("rows_avx2", 1), ("rows_avx2", 2), ("rows_avx2", 3), ("rows_avx2", 4),
+               ("block_avx512vnni", 1), ("block_avx512vnni", 2)]  # fmt: skip
+    for kernel, rows in kernels:
+        bodies = kernel_bodies(library, f"{kernel}<{rows}>")
+        assert len(bodies) == 1, f"{kernel}<{rows}> is not its own function in {library}"
+        assert ("prefetcht1" in next(iter(bodies.values()))) == (rows <= 2), (kernel, rows)
 
 
 def test_activations_round_half_to_even_as_torch_does() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.disassembly import kernel_bodies, loaded_library
 from helpers.int8_activations import int8_activation_reference, panels_on_vnni
 
 from pagedllm.layers import panel_gemm
@@ -564,19 +564,7 @@ def test_residual_int8_activation_products_keep_fp32_accuracy(dtype, bits, n, k,
 def panel_library() -> str:
     """The path of the built panel GEMM library, loaded."""
     panel_gemm.load()
-    return next(p for p in torch.ops.loaded_libraries if "pagedllm_panel" in p)
-
-
-def kernel_bodies(library: str, name: str) -> dict[str, str]:
-    """The disassembly of each function in `library` whose demangled name contains `name`."""
-    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-    bodies = {}
-    for block in listing.split("\n\n"):
-        head = re.match(r"[0-9a-f]+ <(.*)>:", block.strip())
-        if head and name in head[1]:
-            bodies[head[1]] = block
-    return bodies
+    return loaded_library("pagedllm_panel")
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")

@@ -232,8 +232,9 @@ def test_fp16_constants_give_their_fp32_widenings_result_on_every_path(bits, k, 
     """A GGUF file's fp16 constants stay fp16 by rows: every path (each instruction set at 1-16
     rows, int8 x and its residual form, the slices or slabs beyond) gives what the same weight
     with its constants widened to fp32 gives, bit for bit. Block counts with a partial last
-    eight (160: 5 blocks, 576: 18), a wider group (96: constants gathered one at a time), and
-    an odd row count, so the weight's last row takes the one-at-a-time load as well. On int8
+    eight (160: 5 blocks, 576: 18), a wider group (96: the groups eight blocks span, spread to
+    them by a permute), and an odd row count, so the weight's last rows take the one-at-a-time
+    load as well. On int8
     x, int4 codes with fp16 constants, a group a block and an even block count take the Q4
     kernel (rows_q4_avx2) and fp32 constants the general one: every count of blocks past the
     whole eights it has (0: 1536, 2: 576, 4: 384, 6: 448)."""

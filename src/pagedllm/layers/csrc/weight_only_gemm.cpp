@@ -307,8 +307,8 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 // block of 32 with the scale max|x| / 127 (llama.cpp's q8_1), and a block's integer product
 // with the weight's codes comes from maddubs (int4 codes are unsigned; int8 ones lend x their
 // sign). Eight blocks' integer sums are gathered into one vector before they meet their
-// scales, so the float work is an eighth of a block's (groups wider than a block: their
-// constants gathered per block). The int4 offsets meet the rounded x's block sums, so their
+// scales, so the float work is an eighth of a block's (groups wider than a block: the
+// groups the eight blocks span, spread to them by a permute, constants8). The int4 offsets meet the rounded x's block sums, so their
 // rounding errors cancel as in x w. "int8_residual" runs each row as two int8 parts, x rounded
 // and what the rounding left (fp32 x's accuracy, as the AVX-512 panels' residual form), both
 // against one load of the codes, into one sum; int8 codes take x on int16 instead (the same
@@ -468,26 +468,44 @@ __attribute__((noinline)) __m128i half_constants(const Operands& o, const uint16
 // whose constants begin at `row`, in the order of their totals. A group a block: a masked load
 // of fp32 (the weight's constants past its last block are never read); of fp16, a load of
 // eight (the next row's past this row's last block, masked off) and their conversion. A wider
-// group: a gather of each block's group.
+// group (the int8 format's one group a row, the int4 method's groups of 64 or 128): the eight
+// or fewer groups the blocks span, loaded the same way from the first block's group on and
+// spread to their blocks by a permute. A gather of each block's group took as long as the
+// rest of a one-row int8 product's block on a Zen 3.
 template <bool kHalf>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 constants8(const Operands& o,
                                                                   const Constants& c, int64_t row,
                                                                   int64_t b, int count,
                                                                   __m256i lanes, __m256i order) {
-  if constexpr (kHalf) {
-    const uint16_t* src = c.f16() + row;
-    const __m128i bits =
-        o.group == kBlock && row + b + 8 <= o.n * o.groups
-            ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b))
-            : half_constants(o, src, b, count);
-    const __m256 v = _mm256_and_ps(_mm256_cvtph_ps(bits), _mm256_castsi256_ps(lanes));
-    return _mm256_permutevar8x32_ps(v, order);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(lanes, order);
+  if (o.group == kBlock) {
+    if constexpr (kHalf) {
+      const uint16_t* src = c.f16() + row;
+      const __m128i bits = row + b + 8 <= o.n * o.groups
+                               ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b))
+                               : half_constants(o, src, b, count);
+      return _mm256_and_ps(_mm256_permutevar8x32_ps(_mm256_cvtph_ps(bits), order),
+                           _mm256_castsi256_ps(ordered));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_maskload_ps(c.f32() + row + b, lanes), order);
   }
-  const float* f = c.f32() + row;
-  if (o.group == kBlock) return _mm256_permutevar8x32_ps(_mm256_maskload_ps(f + b, lanes), order);
-  const __m256i groups = _mm256_permutevar8x32_epi32(_mm256_maskload_epi32(o.group_of + b, lanes), order);
-  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), f, groups,
-                                  _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(lanes, order)), 4);
+  const int64_t first = o.group_of[b];
+  __m256 spanned;
+  if constexpr (kHalf) {
+    if (row + first + 8 > o.n * o.groups) {  // the weight's last row: no eight to load
+      const __m256 v = _mm256_cvtph_ps(half_constants(o, c.f16() + row, b, count));
+      return _mm256_and_ps(_mm256_permutevar8x32_ps(v, order), _mm256_castsi256_ps(ordered));
+    }
+    spanned = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.f16() + row + first)));
+  } else {
+    const __m256i span = _mm256_set1_epi32(int32_t(o.group_of[b + count - 1] - first + 1));
+    spanned = _mm256_maskload_ps(c.f32() + row + first,
+                                 _mm256_cmpgt_epi32(span, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  }
+  const __m256i at = _mm256_sub_epi32(_mm256_maskload_epi32(o.group_of + b, lanes),
+                                      _mm256_set1_epi32(int32_t(first)));
+  return _mm256_and_ps(_mm256_permutevar8x32_ps(spanned, _mm256_permutevar8x32_epi32(at, order)),
+                       _mm256_castsi256_ps(ordered));
 }
 
 // y[r, n] for weight rows [n0, n1), R at a time, and every row of x (its P parts summed);
