@@ -42,7 +42,7 @@ class QuantConfig:
     weight_only_layers: tuple[str, ...] | None = None  # int8 weights, full-precision inputs
     smoothquant_alpha: float | None = None  # activation-outlier migration; 0 disables it
     # The LM head (weight-only: its inputs stay in full precision) and the token embedding;
-    # None: int8 quantizes them, int4 keeps them (False keeps them, as vLLM does).
+    # None: int8 rows with int8 and int4 alike (False keeps them, as vLLM does).
     quantize_embeddings: bool | None = None
     group_size: int = 32  # int4: input features per scale and offset (a multiple of 32)
 
@@ -348,8 +348,9 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "never capture CUDA graphs (run every step eagerly)")
     quantization: str | None = _arg(
         None,
-        "None | int8 (int8 x int8 products, down_proj int8 weight-only, LM head and embedding "
-        "kept) | int4 (weight-only, group scales; vLLM's rtn at 4 bits) | gguf (a GGUF file's "
+        "None | int8 (int8 x int8 products; down_proj and the LM head int8 weight-only, the "
+        "embedding int8 rows) | int4 (weight-only, group scales, vLLM's rtn at 4 bits; the LM "
+        "head and embedding as int8 has them) | gguf (a GGUF file's "
         "Q4_0 / Q4_1 / Q4_K / Q8_0 tensors kept in their blocks: what None does for a GGUF "
         "file on a CPU) | none (a GGUF file dequantized to --dtype)",
     )
@@ -415,9 +416,9 @@ class EngineArgs:
     )
     quant_embeddings: bool = _arg(
         True,
-        "int8: the LM head too, with int8 weights and full-precision inputs (as a Q8_0 GGUF "
-        "file has it), and the token embedding; --no-quant-embeddings keeps both in --dtype, "
-        "as vLLM does (int4 always keeps them)",
+        "int8 and int4: the LM head too, with int8 weights and full-precision inputs (as a "
+        "Q8_0 GGUF file has it), and the token embedding; --no-quant-embeddings keeps both in "
+        "--dtype, as vLLM does",
     )
     speculative_config: dict[str, Any] | str | None = _arg(
         None,

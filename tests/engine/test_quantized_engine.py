@@ -215,16 +215,19 @@ def test_default_int8_keeps_the_real_models_answer(smollm2):
     assert _capital_answer(llm) == "The capital of France is Paris."
 
 
-def test_int4_runs_the_real_model_on_4_bit_linears(smollm2):
+def test_int4_runs_the_real_model_on_4_bit_linears_and_an_int8_head(smollm2):
     from pagedllm.layers.quantization import weight_bytes
 
     kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 26)
     llm = LLM(str(smollm2), quantization="int4", **kw)
     model = llm.llm_engine.executor.local_runner.model
-    linears = [m for m in model.modules() if hasattr(m, "quant_kernel")]
+    linears = [m for m in model.model.layers.modules() if hasattr(m, "quant_kernel")]
     assert len(linears) == 4 * 30 and all(m.quant_kernel.packed.bits == 4 for m in linears)
-    # The linear layers' 106M weights in 4 bits + fp32 scale and offset per group; the tied
-    # 28M-weight embedding stays fp32.
-    assert weight_bytes(model) < 0.4 * 135e6 * 4
+    assert model.lm_head.quant_method == "int8 weight-only"
+    assert model.lm_head.quant_kernel.name == "weight_only"
+    assert model.model.embed_tokens.quant_method == "int8 embedding"
+    # The linear layers' 106M weights in 4 bits + fp32 scale and offset per group of 32 (80
+    # MB); the tied 28M-weight embedding in int8 (28 MB), where in fp32 it took 113.
+    assert weight_bytes(model) < 0.22 * 135e6 * 4
     # Group 32 is the grid of the Q4_1 file these fp32 weights were made from: exact here.
     assert _capital_answer(llm) == "The capital of France is Paris."

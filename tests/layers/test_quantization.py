@@ -111,17 +111,21 @@ def test_moving_average_observer_follows_the_batches():
     assert batch_dependent(layer)  # so decode steps of this model run without CUDA graphs
 
 
-def test_int8_quantizes_lm_head_weight_only_and_embedding_by_default():
+@pytest.mark.parametrize("quant_dtype", ["int8", "int4"])
+def test_lm_head_weight_only_and_embedding_take_int8_rows_by_default(quant_dtype):
+    """With int8 and with int4 alike (whose linear layers take 4 bits), the LM head gets int8
+    weights with full-precision inputs and the embedding int8 rows."""
     torch.manual_seed(0)
     head, emb = ParallelLMHead(64, 32, torch.float32), VocabParallelEmbedding(64, 32, torch.float32)
     for m in (head, emb):
         m.weight.data.normal_()
     ids, hidden = torch.tensor([0, 7, 63, 7]), torch.randn(4, 32)
     w, want_logits, want_rows = head.weight.clone(), head(hidden), emb(ids)
-    # quantize_embeddings=False keeps them in full precision (as vLLM does); int4 keeps them.
-    assert DynamicQuantConfig(quantize_embeddings=False).apply(head) == []
-    assert DynamicQuantConfig(quant_dtype="int4").apply(emb) == []
-    assert DynamicQuantConfig().apply(head) == [""] and DynamicQuantConfig().apply(emb) == [""]
+    # quantize_embeddings=False keeps them in full precision (as vLLM does).
+    config = DynamicQuantConfig(quant_dtype=quant_dtype)
+    assert DynamicQuantConfig(quant_dtype=quant_dtype, quantize_embeddings=False).apply(head) == []
+    assert DynamicQuantConfig(quant_dtype=quant_dtype, quantize_embeddings=False).apply(emb) == []
+    assert config.apply(head) == [""] and config.apply(emb) == [""]
     assert emb.weight.dtype == torch.int8
     rows_err = (emb(ids) - want_rows).abs()
     assert torch.all(rows_err <= emb.weight_scale[ids, None] / 2 * 1.0001)

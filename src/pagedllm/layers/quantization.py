@@ -604,10 +604,11 @@ class DynamicQuantConfig(QuantConfig):
     products; given calibration windows, the
     activation outliers of the int8 x int8 layers are first folded into their weights
     (SmoothQuant, smoothquant_alpha) and a moving_average observer is calibrated into a
-    static scale. quant_dtype int4: every target layer weight-only int4 (round-to-nearest,
-    one scale and offset per group_size inputs; 32 by default, GGUF Q4_1's grid: on
-    SmolLM2, whose weights come from a Q4_1 file, groups of 64 / 128 cost 0.27 / 0.38 nats of
-    KL per token where 32 reproduces the weights exactly).
+    static scale. quant_dtype int4: every target linear layer weight-only int4
+    (round-to-nearest, one scale and offset per group_size inputs; 32 by default, GGUF Q4_1's
+    grid: on SmolLM2, whose weights come from a Q4_1 file, groups of 64 / 128 cost 0.27 / 0.38
+    nats of KL per token where 32 reproduces the weights exactly), and the LM head and
+    embedding int8 rows as with int8 (quantize_embeddings=False keeps them).
 
     kernel: one of KERNELS, or None for the fastest the device has (on CPU the C++ cpu_int8
     kernel with the minmax observer, else oneDNN; _int_mm on CUDA; weight-only when
@@ -640,10 +641,9 @@ class DynamicQuantConfig(QuantConfig):
 
     @property
     def embeddings(self) -> bool:
-        """Whether the LM head and token embedding are quantized (int8 by default)."""
-        if self.quantize_embeddings is None:
-            return self.quant_dtype == "int8"
-        return self.quantize_embeddings
+        """Whether the LM head and token embedding are quantized (to int8 rows, with int8 and
+        int4 alike; by default)."""
+        return self.quantize_embeddings is not False
 
     @property
     def alpha(self) -> float:
@@ -655,7 +655,7 @@ class DynamicQuantConfig(QuantConfig):
         self, model: nn.Module, exclude_layers: Iterable[str] | None = None
     ) -> dict[str, nn.Module]:
         """Modules to quantize: linear layers (and, with quantize_embeddings, the LM head and
-        embedding; int4 never takes the embedding) not excluded nor done."""
+        embedding) not excluded nor done."""
         patterns = tuple(self.exclude_layers if exclude_layers is None else exclude_layers)
         candidates = {
             name: m
@@ -668,8 +668,6 @@ class DynamicQuantConfig(QuantConfig):
 
         def kept(name: str, m: nn.Module) -> bool:
             if _excluded(name, patterns):
-                return True
-            if type(m) is VocabParallelEmbedding and self.quant_dtype == "int4":
                 return True
             return isinstance(m, EMBEDDING_CLASSES) and not self.embeddings
 
@@ -704,8 +702,15 @@ class DynamicQuantConfig(QuantConfig):
         if calibration is None and getattr(model, "calibration_folder", None):
             calibration = calibration_for_folder(model.calibration_folder)
         if self.quant_dtype == "int4":
+            # The LM head and embedding take int8 rows, as with int8: a head in 4 bits moves
+            # the logits that pick the token, one left in full precision is most of a small
+            # model's bytes a step (SmolLM2's tied 28M-weight embedding beside 106M in layers).
+            embeddings = {n: m for n, m in targets.items() if isinstance(m, EMBEDDING_CLASSES)}
             for name, module in targets.items():
-                self._pack_int4(name, module)
+                if name not in embeddings:
+                    self._pack_int4(name, module)
+            _replace_weights(embeddings.values(), lambda w: quantize_weight(w, self.granularity))
+            self._bind(embeddings, {})
         else:
             ranges = self._calibrate(model, targets, calibration)
             _replace_weights(targets.values(), lambda w: quantize_weight(w, self.granularity))
