@@ -234,10 +234,9 @@ def test_fp16_constants_give_their_fp32_widenings_result_on_every_path(bits, k, 
     with its constants widened to fp32 gives, bit for bit. Block counts with a partial last
     eight (160: 5 blocks, 576: 18), a wider group (96: the groups eight blocks span, spread to
     them by a permute), and an odd row count, so the weight's last rows take the one-at-a-time
-    load as well. On int8
-    x, int4 codes with fp16 constants, a group a block and an even block count take the Q4
-    kernel (rows_q4_avx2) and fp32 constants the general one: every count of blocks past the
-    whole eights it has (0: 1536, 2: 576, 4: 384, 6: 448)."""
+    load as well. On int8 x, int4 codes with fp16 constants, a group a block and an even block
+    count take the Q4 kernel (rows_q4_avx2) and fp32 constants the general one: every count of
+    blocks past the whole eights it has (0: 1536, 2: 576, 4: 384, 6: 448)."""
     torch.manual_seed(bits + k + n + group)
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
     quantized = weight_only.quantize(w, bits, group)

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -307,12 +308,12 @@ void rows(Isa i, const Operands& o, int64_t n0, int64_t n1, float* y) {
 // block of 32 with the scale max|x| / 127 (llama.cpp's q8_1), and a block's integer product
 // with the weight's codes comes from maddubs (int4 codes are unsigned; int8 ones lend x their
 // sign). Eight blocks' integer sums are gathered into one vector before they meet their
-// scales, so the float work is an eighth of a block's (groups wider than a block: the
-// groups the eight blocks span, spread to them by a permute, constants8). The int4 offsets meet the rounded x's block sums, so their
-// rounding errors cancel as in x w. "int8_residual" runs each row as two int8 parts, x rounded
-// and what the rounding left (fp32 x's accuracy, as the AVX-512 panels' residual form), both
-// against one load of the codes, into one sum; int8 codes take x on int16 instead (the same
-// accuracy at half the multiplies, int16_x_linear below).
+// scales, so the float work is an eighth of a block's (groups wider than a block: the groups
+// the eight blocks span, spread to them by a permute, constants8). The int4 offsets meet the
+// rounded x's block sums, so their rounding errors cancel as in x w. "int8_residual" runs each
+// row as two int8 parts, x rounded and what the rounding left (fp32 x's accuracy, as the
+// AVX-512 panels' residual form), both against one load of the codes, into one sum; int8 codes
+// take x on int16 instead (the same accuracy at half the multiplies, int16_x_linear below).
 //
 // For int4 codes x is stored by pairs of blocks, so that one 32-byte load of codes serves two
 // blocks: its low nibbles are features 0-15 of both, its high nibbles features 16-31, and x's
@@ -498,16 +499,25 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 constants8(const Operands
       const __m256 v = _mm256_cvtph_ps(half_constants(o, c.f16() + row, b, count));
       return _mm256_and_ps(_mm256_permutevar8x32_ps(v, order), _mm256_castsi256_ps(ordered));
     }
-    spanned = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.f16() + row + first)));
+    const uint16_t* src = c.f16() + row + first;
+    spanned = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   } else {
     const __m256i span = _mm256_set1_epi32(int32_t(o.group_of[b + count - 1] - first + 1));
-    spanned = _mm256_maskload_ps(c.f32() + row + first,
-                                 _mm256_cmpgt_epi32(span, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    spanned = _mm256_maskload_ps(c.f32() + row + first, _mm256_cmpgt_epi32(span, lane));
   }
   const __m256i at = _mm256_sub_epi32(_mm256_maskload_epi32(o.group_of + b, lanes),
                                       _mm256_set1_epi32(int32_t(first)));
   return _mm256_and_ps(_mm256_permutevar8x32_ps(spanned, _mm256_permutevar8x32_epi32(at, order)),
                        _mm256_castsi256_ps(ordered));
+}
+
+// f(std::true_type) where the weight's groups are wider than a block, else f(std::false_type):
+// the row kernels' kWide.
+template <typename F>
+void by_group_width(const Operands& o, const F& f) {
+  if (o.group > kBlock) return f(std::true_type{});
+  f(std::false_type{});
 }
 
 // y[r, n] for weight rows [n0, n1), R at a time, and every row of x (its P parts summed);
@@ -614,8 +624,10 @@ __attribute__((target("avx2,fma,f16c"))) void rows_q4_avx2(const Operands& o, co
           totals8_avx2<true, 1>(o.q + (n + t) * row_bytes + whole * 16, xq + whole * kBlock, 0,
                                 count, totals);
           const int64_t row = (n + t) * blocks;
-          const __m256 ws = constants8<true, false>(o, o.scale, row, whole, count, rest_lanes, order);
-          const __m256 wo = constants8<true, false>(o, o.offset, row, whole, count, rest_lanes, order);
+          const __m256 ws =
+              constants8<true, false>(o, o.scale, row, whole, count, rest_lanes, order);
+          const __m256 wo =
+              constants8<true, false>(o, o.offset, row, whole, count, rest_lanes, order);
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[0]), _mm256_mul_ps(ws, sxb), acc[t]);
           acc[t] = _mm256_fmadd_ps(wo, xsb, acc[t]);
         }
@@ -648,13 +660,11 @@ void rows_int8(const Operands& o, const RoundedX& x, int64_t n0, int64_t n1, flo
       return;
     }
   }
-  if (o.group > kBlock) {
-    rows_int8_avx2<kInt4, kHalf, true, R, P>(o, x, n0, whole, y);
-    if (whole < n1) rows_int8_avx2<kInt4, kHalf, true, 1, P>(o, x, whole, n1, y);
-    return;
-  }
-  rows_int8_avx2<kInt4, kHalf, false, R, P>(o, x, n0, whole, y);
-  if (whole < n1) rows_int8_avx2<kInt4, kHalf, false, 1, P>(o, x, whole, n1, y);
+  by_group_width(o, [&](auto wide) {
+    constexpr bool kWide = decltype(wide)::value;
+    rows_int8_avx2<kInt4, kHalf, kWide, R, P>(o, x, n0, whole, y);
+    if (whole < n1) rows_int8_avx2<kInt4, kHalf, kWide, 1, P>(o, x, whole, n1, y);
+  });
 }
 
 template <bool kInt4, bool kHalf>
@@ -733,7 +743,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_int16x_avx2(const Operands& o
             _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
         const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
                                                 _mm256_permute2x128_si256(a, c, 0x31));
-        const __m256 ws = constants8<kHalf, kWide>(o, o.scale, n * o.groups, b, count, lanes, order);
+        const __m256 ws =
+            constants8<kHalf, kWide>(o, o.scale, n * o.groups, b, count, lanes, order);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals),
                               _mm256_mul_ps(ws, _mm256_loadu_ps(s + b)), acc);
       }
@@ -757,11 +768,11 @@ at::Tensor int16_x_linear(const at::Tensor& xf, const Operands& o) {
   float* out = y.data_ptr<float>();
   const int64_t chunk = std::max<int64_t>(4, (16 << 10) / k);  // ~16 KiB of codes
   pagedllm_cpu::balanced_for(o.n, chunk, [&](int64_t n0, int64_t n1) {
-    const bool wide = o.group > kBlock;
-    if (o.scale.half && wide) return rows_int16x_avx2<true, true>(o, codes, scales, padded, n0, n1, out);
-    if (o.scale.half) return rows_int16x_avx2<true, false>(o, codes, scales, padded, n0, n1, out);
-    if (wide) return rows_int16x_avx2<false, true>(o, codes, scales, padded, n0, n1, out);
-    rows_int16x_avx2<false, false>(o, codes, scales, padded, n0, n1, out);
+    by_group_width(o, [&](auto wide) {
+      constexpr bool kWide = decltype(wide)::value;
+      if (o.scale.half) return rows_int16x_avx2<true, kWide>(o, codes, scales, padded, n0, n1, out);
+      rows_int16x_avx2<false, kWide>(o, codes, scales, padded, n0, n1, out);
+    });
   });
   return y;
 }
