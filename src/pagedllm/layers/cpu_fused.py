@@ -91,3 +91,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] == 0:
         return logits.argmax(dim=-1)
     return torch.ops.pagedllm_fused.argmax_rows(logits.contiguous())
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    """A token from each fp32 row of logits [n, vocab] (int64 [n]): its argmax where
+    temperature is 0, else the token whose place in the row's filtered distribution (top_k,
+    0 for none; top_p; min_p, 0 for none) uniform [n] (float64 in [0, 1)) gives, counting the
+    kept tokens in index order. Sampler's filters, one uniform number a row."""
+    return torch.ops.pagedllm_fused.sample_rows(
+        logits.contiguous(), temperature, top_k, top_p, min_p, uniform
+    )
