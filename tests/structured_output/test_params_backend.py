@@ -131,3 +131,34 @@ def test_schema_walk_accepts_a_valid_document(manager, tokenizer):
     for token in tokenizer.encode('{"a": 12}', add_special_tokens=False):
         seq.append_token(token)
         assert manager.advance([seq]) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "legal"),
+    [
+        (b"abc", True),
+        ("é\U0010ffff".encode(), True),  # two bytes, and the last code point
+        ("\u0915".encode(), True),  # U+0915, three bytes
+        ("\U0001f600".encode(), True),  # four bytes
+        (b"\xe0\x90\x90", False),  # U+0410 overlong in three bytes
+        (b"\xc0\x80", False),  # NUL overlong in two
+        (b"\xf0\x80\x80\x80", False),  # overlong in four
+        (b"\xed\xa0\x80", False),  # a UTF-16 surrogate
+        (b"\xf4\x90\x80\x80", False),  # past U+10FFFF
+        (b"\x01", False),  # a raw control character
+    ],
+)
+def test_bounded_strings_take_only_well_formed_utf8(body, legal):
+    """A maxLength string's pattern admits each character's one UTF-8 form: a byte-level
+    matcher takes well-formed characters and refuses overlong, surrogate and out-of-range
+    forms (xgrammar's own classes admitted E0 90 90) and control characters."""
+    import xgrammar as xgr
+
+    from pagedllm.structured_output.backend import bounded_strings_as_patterns
+
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)], vocab_type=xgr.VocabType.RAW)
+    schema = bounded_strings_as_patterns({"type": "string", "maxLength": 3})
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    matcher = xgr.GrammarMatcher(grammar)
+    text = b'"' + body + b'"'
+    assert all(matcher.accept_token(b) for b in text) == legal

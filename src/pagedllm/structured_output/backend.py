@@ -43,13 +43,25 @@ def check_json_schema(schema: dict[str, Any] | bool) -> None:
         ) from e
 
 
+# A character a JSON string holds unescaped, as a regex: printable ASCII but '"' and '\\', or
+# one of the code point ranges whose UTF-8 forms share their lead bytes' rules. xgrammar
+# (0.2.9) turns a range that crosses those lines (a negated class included) into bytes that
+# admit overlong and surrogate forms: a random model sampled E0 90 90, which decodes to three
+# U+FFFD, and its 12-character name came out 14 long.
+_UTF8_LINES = ((0x80, 0x7FF), (0x800, 0xFFF), (0x1000, 0xD7FF), (0xE000, 0xFFFF),
+               (0x10000, 0x3FFFF), (0x40000, 0xFFFFF), (0x100000, 0x10FFFF))  # fmt: skip
+JSON_STRING_CHAR = (
+    "(?:[ !#-\\[\\]-\\u007f]|" + "|".join(f"[{chr(lo)}-{chr(hi)}]" for lo, hi in _UTF8_LINES) + ")"
+)
+
+
 def bounded_strings_as_patterns(node: Any) -> Any:
     """A copy of a schema whose length-bounded strings are written as patterns.
 
     xgrammar (0.2.9) turns minLength / maxLength into a character class that admits raw
     control characters, which JSON forbids in strings; the same bounds as a pattern of
-    legal characters produce only valid documents (escapes aside, which the bound counts
-    ambiguously anyway).
+    legal characters (JSON_STRING_CHAR) produce only valid documents (escapes aside, which
+    the bound counts ambiguously anyway).
     """
     if isinstance(node, list):
         return [bounded_strings_as_patterns(x) for x in node]
@@ -59,7 +71,7 @@ def bounded_strings_as_patterns(node: Any) -> Any:
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and not {"pattern", "format"} & out.keys():
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{"" if hi is None else int(hi)}}}$'
+        out["pattern"] = f"^{JSON_STRING_CHAR}{{{lo},{'' if hi is None else int(hi)}}}$"
     return out
 
 
