@@ -496,14 +496,25 @@ def engine_weight_bytes(engine: Engine, config: dict) -> int:
     return gguf_weight_bytes(engine.model)
 
 
-async def _complete_all(url: str, reqs: list[Request]) -> float:
-    """Every request at once to an OpenAI-style /v1/completions (token-id prompts, greedy,
-    ignore_eos, not streamed); seconds until the last one finished. One short warm-up request
-    first. The same client for both servers."""
+def sampling_body(temperature: float, top_p: float) -> dict:
+    """A request's sampling fields, the same for both servers: greedy where temperature is 0;
+    else temperature and top_p with top-k and min-p off (llama-server's defaults are 40 and
+    0.05, pagedllm's and vLLM's off)."""
+    if temperature == 0.0:
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}
+
+
+async def _complete_all(url: str, reqs: list[Request], sampling: dict | None = None) -> float:
+    """Every request at once to an OpenAI-style /v1/completions (token-id prompts, greedy or
+    `sampling`'s fields, ignore_eos, not streamed); seconds until the last one finished. One
+    short warm-up request first. The same client for both servers."""
     import httpx
 
+    fields = sampling or {"temperature": 0.0}
+
     async def one(client: httpx.AsyncClient, r: Request) -> int:
-        body = {"prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
+        body = {"prompt": r.prompt, "max_tokens": r.output_len, **fields,
                 "ignore_eos": True, "stream": False}  # fmt: skip
         resp = await client.post(url + "/v1/completions", json=body)
         resp.raise_for_status()
@@ -520,13 +531,15 @@ async def _complete_all(url: str, reqs: list[Request]) -> float:
     return elapsed
 
 
-def serve_pagedllm(engine: Engine, reqs: list[Request]) -> tuple[float, str]:
+def serve_pagedllm(
+    engine: Engine, reqs: list[Request], sampling: dict | None = None
+) -> tuple[float, str]:
     """(seconds for all requests, command) through ``pagedllm serve``."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.kwargs.items()]
     command = " ".join(["pagedllm serve", str(engine.model), *flags])
     proc, url = start_server(str(engine.model), flags)
     try:
-        return asyncio.run(_complete_all(url, reqs)), command
+        return asyncio.run(_complete_all(url, reqs, sampling)), command
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -540,6 +553,7 @@ def serve_llama(
     slots: int = 0,
     ctx: int = 0,
     client=None,  # noqa: ANN001
+    sampling: dict | None = None,
 ) -> tuple[float, str]:
     """(seconds for all requests, command) through llama-server, by default a slot per request
     with room for the longest one, and the OpenAI client (_complete_all). Where the server dies
@@ -553,7 +567,8 @@ def serve_llama(
         try:
             with LlamaServer(binary, engine.model, threads, slots or len(reqs), ctx,
                              extra) as server:  # fmt: skip
-                return asyncio.run(client(server.url, reqs)), " ".join(server.command)
+                ran = client(server.url, reqs, sampling) if sampling else client(server.url, reqs)
+                return asyncio.run(ran), " ".join(server.command)
         except (OSError, RuntimeError, httpx.HTTPError) as e:
             if extra:
                 raise
@@ -601,7 +616,12 @@ def real_model_main(args: argparse.Namespace) -> None:
         "serving": f"{len(reqs)} requests at once, prompts {SERVE_PROMPT_TOKENS[0]}-"
         f"{SERVE_PROMPT_TOKENS[1]} tokens ({sum(len(r.prompt) for r in reqs)} in all), outputs "
         f"{output_range[0]}-{output_range[1]} ({sum(r.output_len for r in reqs)} in all), "
-        "greedy, ignore_eos",
+        + (
+            f"temperature {args.temperature}, top_p {args.top_p} (top-k and min-p off)"
+            if args.temperature
+            else "greedy"
+        )
+        + ", ignore_eos",
         "serve_rounds": 1 if args.quick else args.serve_rounds,
     }
     start = time.perf_counter()
@@ -644,13 +664,16 @@ def real_model_main(args: argparse.Namespace) -> None:
 
     # Serving: the engines take turns too, round after round; each keeps its best.
     out_tokens = sum(r.output_len for r in reqs)
+    sampling = sampling_body(args.temperature, args.top_p)
     for _ in range(results["workload"]["serve_rounds"]):
         for e in engines:
             row = rows[e.label]
             if e.name == "pagedllm":
-                seconds, command = serve_pagedllm(e, reqs)
+                seconds, command = serve_pagedllm(e, reqs, sampling)
             else:
-                seconds, command = serve_llama(args.llama_server, e, reqs, args.threads)
+                seconds, command = serve_llama(
+                    args.llama_server, e, reqs, args.threads, sampling=sampling
+                )
             row.setdefault("serving_rounds", []).append(out_tokens / seconds)
             row["commands"] = sorted({*row["commands"], command})
             print(f"[serving] {e.label}: {out_tokens / seconds:.1f} out tok/s", flush=True)
@@ -983,6 +1006,18 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=2,
         help="--real-model: serving rounds, the engines taking turns; each keeps its best (2)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="--real-model: the serving requests' temperature (0: greedy, the default)",
+    )
+    ap.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="--real-model: the serving requests' top_p where --temperature is above 0",
     )
     ap.add_argument("--llama-server", type=Path, default=None)
     ap.add_argument("--llama-bench", type=Path, default=None, help="default: beside the server")
