@@ -41,6 +41,62 @@ def test_penalties_match_reference():
     assert torch.allclose(got, want)
 
 
+def _dense_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    """The penalties as masks over the whole [rows, vocab] (the sampler's earlier form)."""
+    params = [s.sampling_params for s in seqs]
+    rows, vocab = logits.shape
+
+    def padded(lists: list[list[int]]) -> torch.Tensor:
+        width = max(len(r) for r in lists)
+        return torch.tensor([r + [vocab] * (width - len(r)) for r in lists])
+
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool)
+    seen.scatter_(1, padded([s.token_ids for s in seqs]), True)
+    rp = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    penalised = torch.where(logits > 0, logits / rp, logits * rp)
+    logits = torch.where(seen[:, :vocab], penalised, logits)
+    counts = torch.zeros(rows, vocab + 1)
+    ids = padded([s.output_token_ids for s in seqs])
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    fp = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    pp = torch.tensor([p.presence_penalty for p in params])[:, None]
+    return logits - fp * counts - pp * (counts > 0).to(logits.dtype)
+
+
+def test_penalties_at_the_held_tokens_give_the_dense_masks_bits():
+    """apply_penalties, computed at the tokens each sequence holds, gives the bits of masks
+    over the whole vocabulary: repeated tokens, rows without penalties, signed zeros,
+    infinities and NaN among the penalised logits; the caller's logits stay as they were."""
+    torch.manual_seed(0)
+    vocab = 997
+    logits = torch.randn(12, vocab) * 3
+    logits[0, :5] = torch.tensor([0.0, -0.0, float("-inf"), float("inf"), float("nan")])
+    seqs = []
+    for i in range(12):
+        prompt = torch.randint(vocab, (int(torch.randint(1, 40, ())),)).tolist()
+        output = torch.randint(vocab, (int(torch.randint(0, 40, ())),)).tolist()
+        if i == 0:
+            prompt, output = [0, 1, 2], [3, 4, 0, 3]
+        seqs.append(
+            make_seq(
+                i,
+                prompt,
+                output,
+                repetition_penalty=1.0 if i % 3 == 0 else 1.0 + 0.1 * (i % 5),
+                frequency_penalty=0.0 if i % 4 == 0 else 0.3 * (i % 3),
+                presence_penalty=0.0 if i % 2 == 0 else 0.25,
+            )
+        )
+    before = logits.clone()
+    got, want = apply_penalties(logits, seqs), _dense_penalties(logits, seqs)
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # untouched
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.signbit(), want.signbit())
+    assert not torch.equal(got.nan_to_num(), logits.nan_to_num())  # they did penalise
+
+
 def test_sampling_frequencies_follow_distribution():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
