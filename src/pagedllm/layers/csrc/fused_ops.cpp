@@ -1318,8 +1318,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }
 
 // ---- sampling: a token from each row's filtered distribution, by its inverse CDF ----------
-// Sampler's temperature, top-k, top-p and min-p rows in one pass or three over each row of
-// logits, and one uniform number a row: torch's path (a softmax, and exponential noise for
+// Sampler's temperature, top-k, top-p and min-p rows in three passes over each row of logits
+// (a few more where top-k or top-p rank its tokens), and one uniform number a row: torch's path (a softmax, and exponential noise for
 // every entry to race) took 51 ms for the noise alone at 48 x 49,152 on a 2-core Zen 3, and
 // its top-p sort 96 ms. The token is the first of the kept ones, in index order, whose
 // running sum of probabilities passes u times their total.
@@ -1327,15 +1327,17 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // Features a block sum covers: the scan for u's token adds the block sums, then one block's.
 constexpr int64_t kSampleBlock = 64;
 
-// Fractions of the largest probability a top-k or top-p row sorts from: the first that keeps
+// Fractions of the largest probability a top-k or top-p row ranks from: the first that keeps
 // at least k tokens, or probability mass of at least top_p, in its tokens at or above it
 // (those are the first in order, so they hold every kept one); every token where none does.
 constexpr float kSampleLevels[] = {1e-2f, 1e-4f, 1e-6f, 1e-9f};
 
+using Ranked = std::pair<float, int32_t>;  // a token's e and index
+
 struct SampleScratch {
-  std::vector<float> e;       // a row's exp(x - max x), x = logits / temperature
-  std::vector<float> blocks;  // their sums by kSampleBlock
-  std::vector<std::pair<float, int32_t>> kept;
+  std::vector<float> e;         // a row's exp(x - max x), x = logits / temperature
+  std::vector<float> blocks;    // their sums by kSampleBlock
+  std::vector<Ranked> ranked;   // a top-k or top-p row's tokens at or above its level
 };
 
 #if F32_VECTORS
@@ -1419,8 +1421,6 @@ int64_t scan_row(const float* e, int64_t n, const float* blocks, double target) 
   return 0;
 }
 
-using Ranked = std::pair<float, int32_t>;  // a token's e and index
-
 // The order of a top-k or top-p row's tokens: the largest e first, the first index of equal ones
 // first (a strict order, so that each cut below is a prefix of the same sort).
 inline bool ranks_before(const Ranked& a, const Ranked& b) {
@@ -1429,8 +1429,10 @@ inline bool ranks_before(const Ranked& a, const Ranked& b) {
 
 // The last token a top-k or top-p row keeps, in ranks_before's order: the k-th, or the last
 // whose probability mass before it is under top_p (of the top k where k cuts). Tokens at or
-// above the first of kSampleLevels that holds it are ranked; a mass that lies within a half
-// of them is taken whole or the half looked into, so ranking costs about twice their count.
+// above the first of kSampleLevels that holds it are ranked, then halved: where the first
+// half's mass, with the mass before it, reaches top_p, the search goes on in that half, else
+// that half is kept whole and the search goes on in the other; about twice their count in
+// comparisons.
 Ranked last_kept(const float* e, int64_t n, double total, int64_t top_k, float top_p,
                  SampleScratch& s) {
   const bool by_count = top_k > 0 && top_k < n;
@@ -1456,7 +1458,7 @@ Ranked last_kept(const float* e, int64_t n, double total, int64_t top_k, float t
       break;
     }
   }
-  std::vector<Ranked>& ranked = s.kept;
+  std::vector<Ranked>& ranked = s.ranked;
   ranked.clear();
   int64_t i = 0;
 #if F32_VECTORS
