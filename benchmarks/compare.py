@@ -359,12 +359,17 @@ class LlamaServer:
         self.proc.wait(timeout=30)
 
 
-async def _llama_all(url: str, reqs: list[Request]) -> float:
+GREEDY = {"temperature": 0.0}  # a request's sampling fields where none are given
+
+
+async def _llama_all(url: str, reqs: list[Request], sampling: dict | None = None) -> float:
     import httpx
+
+    fields = sampling or GREEDY
 
     async def one(client: httpx.AsyncClient, r: Request) -> int:
         body = {"prompt": r.prompt, "n_predict": r.output_len, "ignore_eos": True,
-                "temperature": 0.0, "cache_prompt": True, "stream": False}  # fmt: skip
+                **fields, "cache_prompt": True, "stream": False}  # fmt: skip
         resp = await client.post(url + "/completion", json=body)
         resp.raise_for_status()
         return int(resp.json()["tokens_predicted"])
@@ -501,7 +506,7 @@ def sampling_body(temperature: float, top_p: float) -> dict:
     else temperature and top_p with top-k and min-p off (llama-server's defaults are 40 and
     0.05, pagedllm's and vLLM's off)."""
     if temperature == 0.0:
-        return {"temperature": 0.0}
+        return GREEDY
     return {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}
 
 
@@ -511,7 +516,7 @@ async def _complete_all(url: str, reqs: list[Request], sampling: dict | None = N
     short warm-up request first. The same client for both servers."""
     import httpx
 
-    fields = sampling or {"temperature": 0.0}
+    fields = sampling or GREEDY
 
     async def one(client: httpx.AsyncClient, r: Request) -> int:
         body = {"prompt": r.prompt, "max_tokens": r.output_len, **fields,
@@ -567,7 +572,7 @@ def serve_llama(
         try:
             with LlamaServer(binary, engine.model, threads, slots or len(reqs), ctx,
                              extra) as server:  # fmt: skip
-                ran = client(server.url, reqs, sampling) if sampling else client(server.url, reqs)
+                ran = client(server.url, reqs, sampling)
                 return asyncio.run(ran), " ".join(server.command)
         except (OSError, RuntimeError, httpx.HTTPError) as e:
             if extra:

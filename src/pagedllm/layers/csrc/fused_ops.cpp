@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1552,14 +1553,10 @@ int64_t sample_row(const float* v, int64_t n, float t, int64_t top_k, float top_
       if (e[i] == m) return i;
   const bool ranked = (top_k > 0 && top_k < n) || top_p < 1.f;
   exp_row(e, n, m, ranked ? 0.f : min_p, s.blocks.data());
-  double total = 0.0;
-  for (const float b : s.blocks) total += b;
-  if (ranked) {
-    keep_through(e, n, last_kept(e, n, total, top_k, top_p, s), min_p, s.blocks.data());
-    total = 0.0;
-    for (const float b : s.blocks) total += b;
-  }
-  return scan_row(e, n, s.blocks.data(), u * total);
+  const auto total = [&] { return std::accumulate(s.blocks.begin(), s.blocks.end(), 0.0); };
+  if (ranked)
+    keep_through(e, n, last_kept(e, n, total(), top_k, top_p, s), min_p, s.blocks.data());
+  return scan_row(e, n, s.blocks.data(), u * total());
 }
 
 // A token from each row of fp32 logits [rows, n]: argmax where temperature is 0, else drawn
