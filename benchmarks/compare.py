@@ -893,7 +893,9 @@ def main() -> None:
             "requests": len(reqs),
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "output_tokens": sum(r.output_len for r in reqs),
+            "load": load_average(),  # each workload's: another process's work shows here
         }
+        print(f"[{name}] {row['load']}")
         # The engines take turns for --workload-rounds rounds and each keeps its fastest run
         # (HF: of every batch size and round), as the one-user rounds below do.
         runs: dict[str, list[float]] = {}
@@ -950,6 +952,7 @@ def main() -> None:
         for name, runs in rounds.items()
     }
     results["seconds"] = time.perf_counter() - start
+    results["load_end"] = load_average()
     report(results, model)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -1055,7 +1058,10 @@ def print_peaks(peaks: dict) -> None:
 
 def report(results: dict, model: Path) -> None:
     peaks = results["peaks"]
-    print(f"\nmodel: {model}, run took {results['seconds'] / 60:.1f} min")
+    print(
+        f"\nmodel: {model}, run took {results['seconds'] / 60:.1f} min; "
+        f"{results['load']} at the start, {results['load_end']} at the end"
+    )
     for name, row in results["batch"].items():
         out = row["output_tokens"]
         engines = [k for k in row if k.startswith(("pagedllm", "HF", "llama")) and
