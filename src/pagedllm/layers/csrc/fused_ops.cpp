@@ -53,6 +53,15 @@ int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
 }
 
+#if F32_VECTORS
+// The sum of a vector's 8 lanes: halves, then pairs, then the last two.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #if F32_VECTORS && !BF16_VECTORS
 // 8 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (nearest
 // even, NaN -> 0x7FC0): bf16x16_load / bf16x16_round on 8 lanes, the same bits.
@@ -633,9 +642,7 @@ void gemv_avx2_rows(const float* xs, const T* w, int64_t k, int64_t n0, int64_t 
     for (int m = 0; m < M; ++m) {
       __m256 v = _mm256_add_ps(acc[0][m][0], acc[0][m][1]);
       if constexpr (S == 2) v = _mm256_add_ps(v, _mm256_add_ps(acc[1][m][0], acc[1][m][1]));
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      float sum = hsum8(v);
       for (int64_t r = c; r < k; ++r) sum += xs[m * k + r] * static_cast<float>(row[r]);
       if (bias != nullptr) sum += static_cast<float>(bias[n]);
       y[m * ys + n] = static_cast<T>(sum);
@@ -1320,10 +1327,11 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 // ---- sampling: a token from each row's filtered distribution, by its inverse CDF ----------
 // Sampler's temperature, top-k, top-p and min-p rows in three passes over each row of logits
-// (a few more where top-k or top-p rank its tokens), and one uniform number a row: torch's path (a softmax, and exponential noise for
-// every entry to race) took 51 ms for the noise alone at 48 x 49,152 on a 2-core Zen 3, and
-// its top-p sort 96 ms. The token is the first of the kept ones, in index order, whose
-// running sum of probabilities passes u times their total.
+// (a few more where top-k or top-p rank its tokens), and one uniform number a row: torch's
+// path (a softmax, and exponential noise for every entry to race) took 51 ms for the noise
+// alone at 48 x 49,152 on a 2-core Zen 3, and its top-p sort 96 ms. The token is the first
+// of the kept ones, in index order, whose running sum of probabilities passes u times their
+// total.
 
 // Features a block sum covers: the scan for u's token adds the block sums, then one block's.
 constexpr int64_t kSampleBlock = 64;
@@ -1340,14 +1348,6 @@ struct SampleScratch {
   std::vector<float> blocks;    // their sums by kSampleBlock
   std::vector<Ranked> ranked;   // a top-k or top-p row's tokens at or above its level
 };
-
-#if F32_VECTORS
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
 
 // e = v / t (as torch divides), returning its largest value; nan: whether any is NaN.
 float scale_row(const float* v, int64_t n, float t, float* e, bool& nan) {
