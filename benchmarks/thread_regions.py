@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import statistics
 import subprocess
@@ -158,7 +159,8 @@ def harness(rounds: int, stream_mb: int) -> dict[str, list[float]]:
 
 
 def count_regions(model: str, dtype: str, quantization: str | None, steps: int) -> None:
-    """Runs in the process the shim was preloaded into: regions and ms a decode step."""
+    """Runs in the process the shim was preloaded into: a JSON line a run, its decode steps,
+    regions a step and ms a step (the first run a warm-up)."""
     from pagedllm import LLM, SamplingParams
 
     shim = ctypes.CDLL(os.environ[_SHIM_ENV])
@@ -167,9 +169,9 @@ def count_regions(model: str, dtype: str, quantization: str | None, steps: int) 
     eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True,
                             detokenize=False)  # fmt: skip
+    prompt = {"prompt_token_ids": [(13 * j) % 30000 + 3 for j in range(128)]}
     for run in ("warm-up", "1", "2"):
-        eng.add_request(run, {"prompt_token_ids": [(13 * j) % 30000 + 3 for j in range(128)]},
-                        params)  # fmt: skip
+        eng.add_request(run, prompt, params)
         eng.step()  # the prompt
         calls, decoded, start = shim.gomp_parallel_calls(), 0, time.perf_counter()
         while eng.has_unfinished_requests():
@@ -177,30 +179,29 @@ def count_regions(model: str, dtype: str, quantization: str | None, steps: int) 
             decoded += 1
         ms = (time.perf_counter() - start) / decoded * 1e3
         regions = (shim.gomp_parallel_calls() - calls) / decoded
-        print(f"regions {run}: {decoded} decode steps, {regions:.1f} regions a step, "
-              f"{ms:.3f} ms a step")  # fmt: skip
+        print(json.dumps({"run": run, "steps": decoded, "regions": regions, "ms": ms}))
 
 
 def regions_in_child(args: argparse.Namespace) -> tuple[float, float]:
-    """Runs this script again with the shim preloaded; (regions a step, the faster run's ms)."""
-    folder = Path(tempfile.mkdtemp(prefix="pagedllm-regions-"))
-    (folder / "shim.c").write_text(_SHIM_SOURCE)
-    shim = folder / "libshim.so"
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(folder / "shim.c"), "-o", str(shim),
-                    "-ldl"], check=True)  # fmt: skip
-    env = {**os.environ, "LD_PRELOAD": str(shim), _SHIM_ENV: str(shim)}
+    """Runs this script again with the shim preloaded; (regions a step, the faster timed
+    run's ms a step)."""
     cmd = [sys.executable, __file__, "--count", "--model", args.model, "--dtype", args.dtype,
            "--steps", str(args.steps)]  # fmt: skip
     if args.quantization:
         cmd += ["--quantization", args.quantization]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    runs = [line.removeprefix("regions ") for line in out.splitlines()
-            if line.startswith("regions ")]  # fmt: skip
-    for line in runs:
-        print(f"  {line}")
-    timed = [run.split(": ", 1)[1].split(", ") for run in runs[1:]]  # after the warm-up
-    regions = float(timed[0][1].split()[0])
-    return regions, min(float(run[2].split()[0]) for run in timed)
+    with tempfile.TemporaryDirectory(prefix="pagedllm-regions-") as folder:
+        source, shim = Path(folder) / "shim.c", Path(folder) / "libshim.so"
+        source.write_text(_SHIM_SOURCE)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(source), "-o", str(shim), "-ldl"],
+                       check=True)  # fmt: skip
+        env = {**os.environ, "LD_PRELOAD": str(shim), _SHIM_ENV: str(shim)}
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for r in runs:
+        print(f"  {r['run']}: {r['steps']} decode steps, {r['regions']:.1f} regions a step, "
+              f"{r['ms']:.3f} ms a step")  # fmt: skip
+    timed = runs[1:]  # after the warm-up
+    return timed[0]["regions"], min(r["ms"] for r in timed)
 
 
 def main() -> None:
